@@ -1,0 +1,202 @@
+"""Public entry point: ``ragged_paged_attention`` (call-compatible with RPA v3)."""
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental.pallas import tpu as pltpu
+
+from . import rpa
+from .config import BlockSizes, CASES, Case, block_size_errors, cdiv, round_up
+from .hardware import current_generation, tpu_info
+from .heuristics import heuristic_block_sizes
+from .validate import validate_inputs
+from .vmem import default_vmem_limit, scratch_bytes
+
+log = logging.getLogger("kernel")
+
+FP8_MAX = 448.0  # float8_e4m3fn
+
+
+def quantize(x, dtype, scale=None):
+    """Per-tensor quantization used for new K/V (and Q when ``q_scale`` is set)."""
+    x = x.astype(jnp.float32)
+    if scale is not None:
+        x = x / scale
+    if np.dtype(dtype) == np.dtype(jnp.float8_e4m3fn):
+        x = jnp.clip(x, -FP8_MAX, FP8_MAX)
+    return x.astype(dtype)
+
+
+def resolve_block_sizes(case: Case, explicit, *, generation: str, dims: dict,
+                        chunk_prefill_size=None) -> tuple[BlockSizes, str]:
+    """Block sizes for one case and where they came from ("explicit" or "heuristic")."""
+    if explicit is not None:
+        return BlockSizes.coerce(explicit, name=f"{case.value} block sizes"), "explicit"
+    from . import tables  # lazily: tables reads files only on first use
+    found = tables.lookup_block_sizes(case, generation=generation, dims=dims)
+    if found is not None:
+        return found
+    return heuristic_block_sizes(
+        case, generation=generation, num_q_heads=dims["num_q_heads"],
+        num_kv_heads=dims["num_kv_heads"], head_dim=dims["head_dim"], page_size=dims["page_size"],
+        kv_bytes_per_token=kv_bytes_per_token(dims), max_num_tokens=dims["max_num_tokens"],
+        max_model_len=dims["pages_per_seq"] * dims["page_size"],
+        chunk_prefill_size=chunk_prefill_size, q_dtype=dims["q_dtype"],
+        kv_dtype=dims["kv_dtype"]), "heuristic"
+
+
+def kv_bytes_per_token(dims: dict) -> int:
+    pk = 4 if dims["kv_dtype"].startswith("float8") else 2
+    kv_rows = cdiv(2 * dims["num_kv_heads"], pk)
+    return kv_rows * pk * round_up(dims["head_dim"], 128) * (4 // pk)
+
+
+def ragged_paged_attention(
+    queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, distribution, *,
+    sm_scale: float = 1.0, sliding_window: int | None = None, soft_cap: float | None = None,
+    q_scale: float | None = None, k_scale: float | None = None, v_scale: float | None = None,
+    chunk_prefill_size: int | None = None, d_block_sizes=None, p_block_sizes=None,
+    m_block_sizes=None, vmem_limit_bytes: int | None = None, interpret=False,
+):
+    """Ragged paged attention over a mixed batch, fused with the KV-cache update.
+
+    Args:
+      queries: ``[max_num_tokens, num_q_heads, head_dim]``.
+      keys, values: ``[max_num_tokens, num_kv_heads, head_dim]``, K/V of the new tokens.
+      kv_cache: ``get_kv_cache_shape(num_pages, page_size, num_kv_heads, head_dim, dtype)``.
+      kv_lens: ``int32[max_num_seqs]``, KV length of each sequence (new tokens included).
+      page_indices: ``int32[max_num_seqs * pages_per_seq]``, flattened page table.
+      cu_q_lens: ``int32[max_num_seqs + 1]``.
+      distribution: ``int32[3]`` ``(i, j, k)``: ``[0,i)`` decode, ``[i,j)`` prefill, ``[j,k)`` mixed.
+      d/p/m_block_sizes: ``BlockSizes`` (or 4-tuples) per case; ``None`` resolves through
+        the tables, then the heuristic (``kernel.heuristics``).
+      interpret: run in the Pallas TPU interpreter (``True`` or a ``pltpu.InterpretParams``).
+
+    Returns:
+      ``(out [max_num_tokens, num_q_heads, head_dim], updated kv_cache)``. Rows of padding
+      tokens (beyond ``cu_q_lens[k]``) are unspecified.
+    """
+    explicit = {Case.DECODE: d_block_sizes, Case.PREFILL: p_block_sizes, Case.MIXED: m_block_sizes}
+    dims = validate_inputs(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens,
+                           distribution, sliding_window=sliding_window, soft_cap=soft_cap,
+                           sm_scale=sm_scale, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale,
+                           block_sizes=explicit)
+    if interpret is True:
+        interpret = pltpu.InterpretParams()
+    elif interpret is False:
+        interpret = None
+    options = build_options(dims, current_generation().name, explicit, sm_scale=sm_scale,
+                            sliding_window=sliding_window, soft_cap=soft_cap, q_scale=q_scale,
+                            k_scale=k_scale, v_scale=v_scale, chunk_prefill_size=chunk_prefill_size,
+                            vmem_limit_bytes=vmem_limit_bytes)
+    return _rpa_jit(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens,
+                    distribution, options=options, interpret=interpret)
+
+
+@dataclass(frozen=True)
+class Options:
+    sm_scale: float
+    sliding_window: int | None
+    soft_cap: float | None
+    q_scale: float | None
+    k_scale: float | None
+    v_scale: float | None
+    block_sizes: tuple  # (decode, prefill, mixed)
+    vmem_limit_bytes: int | None
+    generation: str
+    static_meta: tuple | None = None      # analysis mode, per case
+    cases: tuple = ("decode", "prefill", "mixed")
+
+
+def build_options(dims: dict, generation: str, explicit: dict, *, sm_scale=1.0, sliding_window=None,
+                  soft_cap=None, q_scale=None, k_scale=None, v_scale=None, chunk_prefill_size=None,
+                  vmem_limit_bytes=None, static_meta=None, cases=("decode", "prefill", "mixed")) -> "Options":
+    """Resolve block sizes per case and freeze every static option of one call."""
+    resolved = {}
+    for case in CASES:
+        bs, _source = resolve_block_sizes(case, explicit.get(case), generation=generation, dims=dims,
+                                          chunk_prefill_size=chunk_prefill_size)
+        errs = block_size_errors(case, bs, dims["page_size"])
+        if errs:
+            raise ValueError(f"{case.value} block sizes {tuple(bs)} are illegal: " + "; ".join(errs))
+        resolved[case] = bs
+    f = lambda v: None if v is None else float(v)
+    return Options(
+        sm_scale=float(sm_scale), sliding_window=None if sliding_window is None else int(sliding_window),
+        soft_cap=f(soft_cap), q_scale=f(q_scale), k_scale=f(k_scale), v_scale=f(v_scale),
+        block_sizes=tuple(resolved[c] for c in CASES), vmem_limit_bytes=vmem_limit_bytes,
+        generation=generation, static_meta=static_meta, cases=tuple(cases))
+
+
+def prepare_inputs(queries, keys, values, kv_cache, options: Options):
+    """Pre-arrange Q and the new K/V into the kernel layouts (XLA ops around the kernel)."""
+    T, Hq, D = queries.shape
+    Hkv = keys.shape[1]
+    G = Hq // Hkv
+    Dp = round_up(D, 128)
+    kv_rows, pk = kv_cache.shape[2], kv_cache.shape[3]
+    bss = options.block_sizes
+    pad_rows = max([bs.bq for bs in bss] + [bs.bkv for bs in bss[1:]] + [1])
+    q = queries
+    if options.q_scale is not None:
+        q = (quantize(q, kv_cache.dtype, options.q_scale)).astype(queries.dtype)
+    q = q.reshape(T, Hkv, G, D)
+    q = jnp.pad(q, ((0, pad_rows), (0, 0), (0, 0), (0, Dp - D)))
+    k = quantize(keys, kv_cache.dtype, options.k_scale)
+    v = quantize(values, kv_cache.dtype, options.v_scale)
+    kv = jnp.stack([k, v], axis=2).reshape(T, 2 * Hkv, D)
+    kv = jnp.pad(kv, ((0, pad_rows), (0, kv_rows * pk - 2 * Hkv), (0, Dp - D)))
+    kv = kv.reshape(T + pad_rows, kv_rows, pk, Dp)
+    o = jnp.zeros_like(q)
+    return q, kv, o
+
+
+def case_spec(case: Case, options: Options, *, num_kv_heads, group, head_dim, page_size,
+              pages_per_seq, kv_rows, kv_pack, max_num_seqs, static_meta=None) -> rpa.KernelSpec:
+    idx = CASES.index(case)
+    return rpa.KernelSpec(
+        case=case, bs=options.block_sizes[idx], num_kv_heads=num_kv_heads, group=group,
+        head_dim_p=round_up(head_dim, 128), page_size=page_size, pages_per_seq=pages_per_seq,
+        kv_rows=kv_rows, kv_pack=kv_pack, max_num_seqs=max_num_seqs, sm_scale=options.sm_scale,
+        sliding_window=options.sliding_window, soft_cap=options.soft_cap,
+        k_scale=options.k_scale, v_scale=options.v_scale, q_scale=options.q_scale,
+        static_meta=static_meta)
+
+
+def vmem_limit_for(spec: rpa.KernelSpec, q_dtype, kv_dtype, generation: str, explicit=None) -> int:
+    if explicit is not None:
+        return int(explicit)
+    sb = scratch_bytes(spec.bs, num_kv_heads=spec.num_kv_heads, group=spec.group,
+                       head_dim=spec.head_dim_p, page_size=spec.page_size, kv_rows=spec.kv_rows,
+                       kv_pack=spec.kv_pack, q_dtype=q_dtype, kv_dtype=kv_dtype)
+    return default_vmem_limit(sb, tpu_info(generation).vmem_capacity_bytes)
+
+
+@functools.partial(jax.jit, static_argnames=("options", "interpret"), donate_argnames=("kv_cache",))
+def _rpa_jit(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, distribution, *,
+             options: Options, interpret):
+    T, Hq, D = queries.shape
+    Hkv = keys.shape[1]
+    q, newkv, o = prepare_inputs(queries, keys, values, kv_cache, options)
+    S = kv_lens.shape[0]
+    common = dict(num_kv_heads=Hkv, group=Hq // Hkv, head_dim=D, page_size=kv_cache.shape[1],
+                  pages_per_seq=page_indices.shape[0] // S, kv_rows=kv_cache.shape[2],
+                  kv_pack=kv_cache.shape[3], max_num_seqs=S)
+    for name in options.cases:
+        case = Case(name)
+        meta = None if options.static_meta is None else options.static_meta[CASES.index(case)]
+        spec = case_spec(case, options, static_meta=meta, **common)
+        call = rpa.build_case_call(
+            spec, q_shape=q.shape, q_dtype=q.dtype, newkv_shape=newkv.shape,
+            cache_shape=kv_cache.shape, cache_dtype=kv_cache.dtype,
+            vmem_limit_bytes=None if interpret is not None else vmem_limit_for(
+                spec, q.dtype, kv_cache.dtype, options.generation, options.vmem_limit_bytes),
+            interpret=interpret if interpret is not None else False)
+        o, kv_cache = call(kv_lens, page_indices, cu_q_lens, distribution, q, newkv, kv_cache, o)
+    out = o[:T].reshape(T, Hq, -1)[:, :, :D]
+    return out, kv_cache

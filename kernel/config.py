@@ -1,0 +1,158 @@
+"""Typed configuration: block sizes, cases, TPU generations and the KV-cache layout.
+
+Everything here is plain Python (no tracing), so it can be used by the tuner, the
+validator and the tables without importing Pallas.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+from typing import NamedTuple
+
+import numpy as np
+
+
+class Case(str, enum.Enum):
+    """The three specialised kernels. ``distribution = (i, j, k)`` splits sequences
+    into ``[0, i)`` decode, ``[i, j)`` prefill chunks and ``[j, k)`` mixed."""
+
+    DECODE = "decode"
+    PREFILL = "prefill"
+    MIXED = "mixed"
+
+    @classmethod
+    def parse(cls, value: "Case | str") -> "Case":
+        if isinstance(value, Case):
+            return value
+        try:
+            return cls(str(value).lower())
+        except ValueError:
+            raise ValueError(
+                f"unknown case {value!r}; valid cases are {[c.value for c in cls]}"
+            ) from None
+
+
+CASES: tuple[Case, ...] = (Case.DECODE, Case.PREFILL, Case.MIXED)
+
+
+class BlockSizes(NamedTuple):
+    """The four tuning knobs of one case.
+
+    bq / bkv: query / KV tokens fetched into VMEM per pipeline step (DMA granularity).
+    cq / ckv: query / KV tokens per compute step (VREG pressure).
+    """
+
+    bq: int
+    bkv: int
+    cq: int
+    ckv: int
+
+    @classmethod
+    def coerce(cls, value, *, name: str = "block_sizes") -> "BlockSizes":
+        if isinstance(value, BlockSizes):
+            return value
+        try:
+            items = tuple(value)
+        except TypeError:
+            raise ValueError(
+                f"{name}={value!r} is not a 4-tuple (bq, bkv, cq, ckv) of positive ints"
+            ) from None
+        if len(items) != 4 or not all(
+            isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in items
+        ):
+            raise ValueError(
+                f"{name}={value!r} is not a 4-tuple (bq, bkv, cq, ckv) of positive ints"
+            )
+        return cls(*(int(v) for v in items))
+
+    def label(self) -> str:
+        return f"bq{self.bq}_bkv{self.bkv}_cq{self.cq}_ckv{self.ckv}"
+
+
+def block_size_errors(case: Case, bs: BlockSizes, page_size: int) -> list[str]:
+    """Legality rules of a block-size tuple; an empty list means legal."""
+    errs = []
+    for name, v in zip(bs._fields, bs):
+        if v <= 0:
+            errs.append(f"{name}={v} must be a positive int")
+    if errs:
+        return errs
+    if bs.bq % bs.cq:
+        errs.append(f"bq={bs.bq} must be a multiple of cq={bs.cq} (rule bq % cq == 0)")
+    if bs.bkv % bs.ckv:
+        errs.append(f"bkv={bs.bkv} must be a multiple of ckv={bs.ckv} (rule bkv % ckv == 0)")
+    if bs.bkv % page_size:
+        errs.append(f"bkv={bs.bkv} must be a multiple of page_size={page_size}")
+    if bs.ckv % page_size:
+        errs.append(f"ckv={bs.ckv} must be a multiple of page_size={page_size}")
+    if case == Case.DECODE and (bs.bq != 1 or bs.cq != 1):
+        errs.append(
+            f"decode block sizes need bq == cq == 1 (decode is specialised for q_len = 1), got bq={bs.bq}, cq={bs.cq}"
+        )
+    return errs
+
+
+# --------------------------------------------------------------------------- dtypes
+def dtype_bits(dtype) -> int:
+    return np.dtype(dtype).itemsize * 8
+
+
+def kv_packing(kv_dtype) -> int:
+    """Rows of a 32-bit word: 1 for f32, 2 for bf16, 4 for fp8."""
+    bits = dtype_bits(kv_dtype)
+    if 32 % bits:
+        raise ValueError(f"kv dtype {np.dtype(kv_dtype).name} has {bits} bits; need 8, 16 or 32")
+    return 32 // bits
+
+
+def round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def get_kv_cache_shape(num_pages: int, page_size: int, num_kv_heads: int, head_dim: int, kv_dtype):
+    """Merged, packed KV-cache layout (K and V of head h at combined index 2h and 2h+1):
+    ``[num_pages, page_size, ceil(2*num_kv_heads / kv_packing), kv_packing, round_up(head_dim, 128)]``."""
+    for name, v in (("num_pages", num_pages), ("page_size", page_size),
+                    ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
+        if not isinstance(v, (int, np.integer)) or v <= 0:
+            raise ValueError(f"{name}={v!r} must be a positive int")
+    pk = kv_packing(kv_dtype)
+    return (int(num_pages), int(page_size), cdiv(2 * num_kv_heads, pk), pk, round_up(head_dim, 128))
+
+
+# ----------------------------------------------------------------------- generations
+@dataclasses.dataclass(frozen=True)
+class TpuGeneration:
+    name: str            # CLI / table name
+    topology: str        # deviceless topology name accepted by libtpu
+    device_kind: str     # jax device.device_kind
+    chip_version: str    # name in jax's tpu_info.ChipVersion
+
+
+GENERATIONS: dict[str, TpuGeneration] = {
+    g.name: g
+    for g in (
+        TpuGeneration("v4", "v4:2x2x1", "TPU v4", "TPU_V4"),
+        TpuGeneration("v5e", "v5e:1x1", "TPU v5 lite", "TPU_V5E"),
+        TpuGeneration("v5p", "v5p:2x2x1", "TPU v5", "TPU_V5P"),
+        TpuGeneration("v6e", "v6e:1x1", "TPU v6 lite", "TPU_V6E"),
+        TpuGeneration("tpu7x", "tpu7x:2x2x1", "TPU7x", "TPU_7X"),
+    )
+}
+
+
+def get_generation(name: str) -> TpuGeneration:
+    key = str(name).lower().replace("tpu_", "").replace("tpu-", "")
+    aliases = {"v7x": "tpu7x", "7x": "tpu7x", "v5litepod": "v5e", "v5lite": "v5e", "v6": "v6e"}
+    key = aliases.get(key, key)
+    if key in GENERATIONS:
+        return GENERATIONS[key]
+    for g in GENERATIONS.values():  # device kinds, e.g. "TPU v6 lite"
+        if str(name).lower() == g.device_kind.lower():
+            return g
+    raise ValueError(f"unknown TPU generation {name!r}; valid: {sorted(GENERATIONS)}")

@@ -1,0 +1,582 @@
+"""Ragged Paged Attention (RPA) for TPU in Pallas: one specialised kernel per case.
+
+Design (after the RPA paper, written for this project):
+
+* Layouts. Ragged token dimensions are never tiled. Q is pre-arranged as
+  ``[tokens, kv_heads, group, head_dim_padded]`` so that the query group of one KV
+  head is loaded as one ``(cq * group, head_dim)`` MXU operand (GQA/MQA/MHA share one
+  path). The KV cache is the merged, packed layout ``[pages, page_size, ceil(2*Hkv/pk),
+  pk, Dp]`` (K and V interleaved), and the new tokens' K/V are packed the same way
+  (``[tokens, ceil(2*Hkv/pk), pk, Dp]``) so a KV block is always the same VMEM shape.
+* Per (sequence, q block), the KV range needed is walked as a list of *steps*: first the
+  cached context ``[0, kv_len - q_len)`` gathered page by page from the cache, then the
+  new tokens ``[kv_len - q_len, kv_len)`` read straight from the packed new-KV array
+  (causal blocks only). New tokens are never read back from the cache, so the cache
+  update (HBM -> HBM DMAs, issued when a sequence starts and awaited when it ends)
+  runs fully overlapped with attention and cannot race with it.
+* Double-buffered software pipeline with explicit async DMAs: while step ``k`` computes,
+  step ``k+1`` (or the next q block / next sequence's first step) is being fetched;
+  the Q block of the next (sequence, q block) is prefetched the same way; the O block
+  is written back asynchronously (in order, so a tail write that spills into the next
+  sequence's rows is always overwritten by that sequence's own write).
+* Every DMA has a static shape (a page, a q block): the interpreter runs it on CPU, and
+  rows beyond a sequence's end are masked rather than sliced. Dynamic-length cache
+  writes are decomposed into power-of-two row counts.
+* Compute: for each KV chunk (``ckv``) and KV head, K and V are split out of the merged
+  block once, then every q chunk (``cq``) of the block runs one online-softmax
+  (FlashAttention-2) update in f32.
+
+The analysis mode (``static_meta``) replaces the scalar metadata by static-address SMEM
+stores of a concrete workload so libtpu's static profiler sees the real trip counts; see
+``kernel.analysis``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from .config import BlockSizes, Case, cdiv
+
+MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+LANES = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelSpec:
+    """Everything static about one case's kernel (hashable: it keys compilation)."""
+
+    case: Case
+    bs: BlockSizes
+    num_kv_heads: int
+    group: int              # q heads per kv head
+    head_dim_p: int          # padded head dim (multiple of 128)
+    page_size: int
+    pages_per_seq: int
+    kv_rows: int             # ceil(2 * Hkv / pk)
+    kv_pack: int             # pk
+    max_num_seqs: int
+    sm_scale: float
+    sliding_window: int | None
+    soft_cap: float | None
+    k_scale: float | None
+    v_scale: float | None
+    q_scale: float | None
+    # analysis mode: tuple of (first_seq, end_seq, q_len) segments, and the workload
+    # metadata to store at static SMEM addresses (kv_lens, cu_q_lens), or None.
+    static_meta: tuple | None = None
+
+    @property
+    def name(self) -> str:
+        return f"rpa_{self.case.value}_{self.bs.label()}"
+
+
+def _div(a, b):
+    """Floor division of non-negative ints (lax.div avoids jnp's sign-based floor_divide,
+    which needs a concrete TPU to lower)."""
+    if isinstance(a, int) and isinstance(b, int):
+        return a // b
+    return jax.lax.div(a, jnp.asarray(b, jnp.int32) if isinstance(b, int) else b)
+
+
+def _rem(a, b):
+    if isinstance(a, int) and isinstance(b, int):
+        return a % b
+    return jax.lax.rem(a, jnp.asarray(b, jnp.int32) if isinstance(b, int) else b)
+
+
+def _cdiv(a, b):
+    return _div(a + b - 1, b)
+
+
+def _min(a, b):
+    if isinstance(a, int) and isinstance(b, int):
+        return min(a, b)
+    return jnp.minimum(a, b)
+
+
+def _max(a, b):
+    if isinstance(a, int) and isinstance(b, int):
+        return max(a, b)
+    return jnp.maximum(a, b)
+
+
+def _when(cond, fn):
+    if isinstance(cond, bool):
+        if cond:
+            fn()
+    else:
+        pl.when(cond)(fn)
+
+
+def _loop(lo, hi, body, carry, *, unroll_static=False):
+    """fori_loop, or a Python loop when bounds are static and unrolling is asked for."""
+    if unroll_static and isinstance(lo, int) and isinstance(hi, int):
+        for i in range(lo, hi):
+            carry = body(i, carry)
+        return carry
+    return jax.lax.fori_loop(lo, hi, body, carry)
+
+
+def _pow2_copies(n, max_rows: int, issue):
+    """Issue static-size row copies whose sizes add up to the dynamic count ``n`` (< 2*max_rows).
+
+    ``issue(offset, size)`` is called under a ``pl.when`` for each set bit of ``n``.
+    """
+    off = 0 * n if not isinstance(n, int) else 0
+    for b in reversed(range(max(1, max_rows).bit_length())):
+        size = 1 << b
+        if size > max_rows:
+            continue
+        o = off
+        _when((n & size) != 0 if not isinstance(n, int) else bool(n & size),
+              functools.partial(issue, o, size))
+        off = off + (n & size)
+    return off
+
+
+# ---------------------------------------------------------------------------- kernel
+def _make_kernel(spec: KernelSpec):
+    case, bs = spec.case, spec.bs
+    bq, bkv, cq, ckv = bs
+    ps, pk, Hkv, G, Dp = spec.page_size, spec.kv_pack, spec.num_kv_heads, spec.group, spec.head_dim_p
+    pages_per_block = bkv // ps
+    pages_per_chunk = ckv // ps
+    n_chunks = bkv // ckv
+    n_qchunks = bq // cq
+    decode = case == Case.DECODE
+    heads_per_row = pk // 2 if pk >= 2 else 1
+    window = spec.sliding_window
+    scale = spec.sm_scale * (spec.q_scale or 1.0) * (spec.k_scale or 1.0)
+    v_scale = spec.v_scale
+    lo_idx, hi_idx = {Case.DECODE: (None, 0), Case.PREFILL: (0, 1), Case.MIXED: (1, 2)}[case]
+    analysis = spec.static_meta is not None
+    import os as _os
+    DBG = set(_os.environ.get("RPA_DBG", "").split(","))
+
+    def kernel(kv_lens_ref, page_idx_ref, cu_ref, dist_ref,      # scalar prefetch (SMEM)
+               q_hbm, newkv_hbm, cache_hbm, o_in_hbm,             # inputs (HBM)
+               o_hbm, cache_out_hbm,                              # outputs (aliased)
+               q_buf, kv_buf, nkv_buf, o_buf, acc_ref, m_ref, l_ref,
+               cnt_ref, meta_ref, sems):
+        del o_in_hbm, cache_hbm  # aliased to the outputs
+        if analysis:
+            segments, kv_lens_c, cu_c = spec.static_meta
+            for i, v in enumerate(kv_lens_c):
+                meta_ref[i] = v
+            for i, v in enumerate(cu_c):
+                meta_ref[spec.max_num_seqs + i] = v
+            kv_len_of = lambda s: meta_ref[s]
+            cu_of = lambda s: meta_ref[spec.max_num_seqs + s]
+        else:
+            kv_len_of = lambda s: kv_lens_ref[s]
+            cu_of = lambda s: cu_ref[s]
+            seq_lo = 0 if lo_idx is None else dist_ref[lo_idx]
+            seq_hi = dist_ref[hi_idx]
+            segments = ((seq_lo, seq_hi, None),)
+
+        def clamp_seq(s):
+            return _min(s, spec.max_num_seqs - 1)
+
+        def seq_info(s):
+            sc = clamp_seq(s)
+            q_start = cu_of(sc)
+            q_len = cu_of(sc + 1) - q_start
+            kv_len = kv_len_of(sc)
+            ctx = kv_len - q_len
+            nq = 1 if decode else _max(1, _cdiv(q_len, bq))
+            return q_start, q_len, kv_len, ctx, nq
+
+        def qblock_steps(info, i):
+            """KV steps of q block i: (first cached block, #cached, first new block, #new)."""
+            q_start, q_len, kv_len, ctx, _ = info
+            q_first = ctx + i * bq                       # position of the block's first row
+            q_last = ctx + _min((i + 1) * bq, q_len) - 1  # position of its last valid row
+            lo = _max(0, q_first - window + 1) if window else 0
+            c0 = _div(lo, bkv)
+            nc = _max(0, _cdiv(ctx, bkv) - c0)
+            if decode:
+                return c0, _max(1, nc), 0, 0
+            n_lo = _div(_max(0, lo - ctx), bkv)
+            nn = _max(1, _cdiv(q_last - ctx + 1, bkv) - n_lo)
+            return c0, nc, n_lo, nn
+
+        # ------------------------------------------------------------------ DMAs
+        def q_copy(q_start, i, slot):
+            return pltpu.make_async_copy(
+                q_hbm.at[pl.ds(q_start + i * bq, bq)], q_buf.at[slot], sems.at[0, slot])
+
+        def nkv_copy(q_start, slot):  # decode: the new token's K/V row
+            return pltpu.make_async_copy(
+                newkv_hbm.at[pl.ds(q_start, 1)], nkv_buf.at[slot], sems.at[4, slot])
+
+        def fetch_q(s, i, slot):
+            info = seq_info(s)
+            q_copy(info[0], i, slot).start()
+            if decode:
+                nkv_copy(info[0], slot).start()
+
+        def wait_q(slot):
+            q_copy(0, 0, slot).wait()
+            if decode:
+                nkv_copy(0, slot).wait()
+
+        def page_copy(src, slot, p):
+            return pltpu.make_async_copy(src, kv_buf.at[slot, p], sems.at[1, slot])
+
+        def fetch_kv(s, i, k, slot):
+            info = seq_info(s)
+            q_start, q_len, kv_len, ctx, _ = info
+            c0, nc, n0, _ = qblock_steps(info, i)
+            cached = k < nc
+            blk = jnp.where(cached, c0 + k, n0 + k - nc)
+            limit = jnp.where(cached, ctx, q_len)
+            if decode:
+                limit = ctx
+            valid = _max(0, _min(bkv, limit - blk * bkv))
+            npages = _cdiv(valid, ps)
+            cnt_ref[slot] = npages
+            sc = clamp_seq(s)
+
+            def one_page(p, carry):
+                @pl.when(p < npages)
+                def _():
+                    if decode:
+                        page = page_idx_ref[sc * spec.pages_per_seq + blk * pages_per_block + p]
+                        page_copy(cache_out_hbm.at[page], slot, p).start()
+                    else:
+                        @pl.when(cached)
+                        def _():
+                            page = page_idx_ref[sc * spec.pages_per_seq + blk * pages_per_block + p]
+                            page_copy(cache_out_hbm.at[page], slot, p).start()
+
+                        @pl.when(jnp.logical_not(cached))
+                        def _():
+                            row = q_start + blk * bkv + p * ps
+                            page_copy(newkv_hbm.at[pl.ds(row, ps)], slot, p).start()
+                return carry
+
+            jax.lax.fori_loop(0, pages_per_block, one_page, 0)
+
+        def wait_kv(slot):
+            n = cnt_ref[slot]
+
+            def one_page(p, carry):
+                @pl.when(p < n)
+                def _():
+                    page_copy(cache_out_hbm.at[0], slot, p).wait()
+                return carry
+
+            jax.lax.fori_loop(0, pages_per_block, one_page, 0)
+
+        def o_copy(q_start, i, slot):
+            return pltpu.make_async_copy(
+                o_buf.at[slot], o_hbm.at[pl.ds(q_start + i * bq, bq)], sems.at[2, 0])
+
+        # KV-cache update: new rows [ctx, kv_len) -> pages, HBM -> HBM.
+        def cache_update(s, info, do_wait: bool):
+            q_start, q_len, kv_len, ctx, _ = info
+            sc = clamp_seq(s)
+
+            def copy(src_row, pos, rows):
+                page = page_idx_ref[sc * spec.pages_per_seq + _div(pos, ps)]
+                return pltpu.make_async_copy(
+                    newkv_hbm.at[pl.ds(src_row, rows)],
+                    cache_out_hbm.at[page, pl.ds(_rem(pos, ps), rows)], sems.at[3, 0])
+
+            if "noupdate" in DBG:
+                return
+            if decode:
+                c = copy(q_start, ctx, 1)
+                (c.wait if do_wait else c.start)()
+                return
+            p_first = _div(ctx, ps)
+            p_end = _cdiv(kv_len, ps)
+
+            def one_page(p, carry):
+                lo = _max(ctx, p * ps)
+                hi = _min(kv_len, (p + 1) * ps)
+                n = hi - lo
+
+                def issue(off, size):
+                    c = copy(q_start + lo - ctx + off, lo + off, size)
+                    (c.wait if do_wait else c.start)()
+
+                _pow2_copies(n, ps, issue)
+                return carry
+
+            _loop(p_first, p_end, one_page, 0)
+
+        # ------------------------------------------------------------ compute
+        def init_acc():
+            m_ref[...] = jnp.full(m_ref.shape, MASK_VALUE, jnp.float32)
+            l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+            acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+        def flash_update(h, y, q_pos, k, v, k_pos, kv_valid):
+            """One online-softmax update of q chunk y of head h against (k, v)."""
+            rows = pl.ds(y * cq, cq)
+            q = q_buf[qslot_ref[0], rows, h].astype(jnp.float32).reshape(cq * G, Dp)
+            if "qkvpu" in DBG:
+                s = jnp.zeros((cq * G, k.shape[0]), jnp.float32) + q[:, :1] * k[:, 0][None, :].astype(jnp.float32)
+            else:
+                s = jax.lax.dot_general(q.astype(k.dtype), k, (((1,), (1,)), ((), ())),
+                                        preferred_element_type=jnp.float32) * scale
+            if spec.soft_cap is not None:
+                s = spec.soft_cap * jnp.tanh(s / spec.soft_cap)
+            mask = kv_valid
+            if not decode:
+                mask = jnp.logical_and(mask, k_pos <= q_pos)
+            if window:
+                mask = jnp.logical_and(mask, k_pos > q_pos - window)
+            s = jnp.where(mask, s, MASK_VALUE)
+            m_prev = m_ref[rows, h].reshape(cq * G, LANES)[:, :1]
+            l_prev = l_ref[rows, h].reshape(cq * G, LANES)[:, :1]
+            m_new = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
+            p = jnp.exp(s - m_new)
+            alpha = jnp.exp(m_prev - m_new)
+            l_new = alpha * l_prev + p.sum(axis=1, keepdims=True)
+            if "pvvpu" in DBG:
+                pv = p[:, :1] * v[:1, :].astype(jnp.float32)
+            elif "pvpad" in DBG and (cq * G) % 8:
+                rows_p = -(-(cq * G) // 8) * 8
+                pp = jnp.concatenate([p, jnp.zeros((rows_p - cq * G, p.shape[1]), p.dtype)], axis=0)
+                pv = jnp.dot(pp.astype(v.dtype), v, preferred_element_type=jnp.float32)[: cq * G]
+            elif "pvT" in DBG:
+                pv = jax.lax.dot_general(p.astype(v.dtype), v.T, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+            elif "pvf32" in DBG:
+                pv = jnp.dot(p, v.astype(jnp.float32), preferred_element_type=jnp.float32)
+            else:
+                pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+            acc = acc_ref[rows, h].reshape(cq * G, Dp)
+            acc_ref[rows, h] = (alpha * acc + pv).reshape(cq, G, Dp)
+            m_ref[rows, h] = jnp.broadcast_to(m_new, (cq * G, LANES)).reshape(cq, G, LANES)
+            l_ref[rows, h] = jnp.broadcast_to(l_new, (cq * G, LANES)).reshape(cq, G, LANES)
+
+        def split_kv(kv, j):
+            """kv: f32 (n, ps, pk, Dp) of one packed row -> K, V (n*ps, Dp) of its j-th head.
+            (k_scale is folded into the score scale; v_scale is applied here.)"""
+            k = kv[:, :, 2 * j, :].reshape(-1, Dp)
+            v = kv[:, :, 2 * j + 1, :].reshape(-1, Dp)
+            if v_scale is not None:
+                v = v * v_scale
+            return k, v
+
+        def compute_step(info, i, k_step, kvslot, c0, nc, n0):
+            q_start, q_len, kv_len, ctx, _ = info
+            cached = k_step < nc
+            blk = jnp.where(cached, c0 + k_step, n0 + k_step - nc)
+            base = jnp.where(cached, blk * bkv, ctx + blk * bkv)   # position of row 0
+            limit = jnp.where(cached, ctx, kv_len)                 # first invalid position
+            if decode:
+                base, limit = blk * bkv, ctx
+            q_first = ctx + i * bq
+            q_hi = ctx + _min((i + 1) * bq, q_len)                 # one past last valid pos
+            lo_pos = _max(0, q_first - window + 1) if window else 0
+            qpos_tile = (q_first + _div(jax.lax.broadcasted_iota(jnp.int32, (cq * G, 1), 0), G))
+
+            def chunk(x, carry):
+                start = base + x * ckv
+                live = jnp.logical_and(start < limit, start < q_hi)
+                if window:
+                    live = jnp.logical_and(live, start + ckv > lo_pos)
+
+                if "nolive" in DBG:
+                    live = True
+
+                @functools.partial(_when, live)
+                def _():
+                    k_pos = start + jax.lax.broadcasted_iota(jnp.int32, (1, ckv), 1)
+                    kv_valid = k_pos < limit
+                    v_ok = (start + jax.lax.broadcasted_iota(jnp.int32, (ckv, 1), 0)) < limit
+
+                    def head_row(r, carry2):
+                        kv = kv_buf[kvslot, pl.ds(x * pages_per_chunk, pages_per_chunk), :, r]
+                        kv = kv.astype(jnp.float32)
+                        for j in range(heads_per_row):
+                            h = r * heads_per_row + j
+                            if isinstance(h, int) and h >= Hkv:
+                                break
+                            kk, vv = split_kv(kv, j)
+                            if "novmask" not in DBG:
+                                vv = jnp.where(v_ok, vv, 0.0)
+                            kk = kk.astype(jnp.bfloat16)
+                            vv = vv.astype(jnp.bfloat16)
+
+                            def qc(y, carry3):
+                                qpos = qpos_tile + y * cq
+                                _when_head(h, lambda: flash_update(h, y, qpos, kk, vv, k_pos, kv_valid))
+                                return carry3
+
+                            _loop(0, n_qchunks, qc, 0, unroll_static=n_qchunks <= 2)
+                        return carry2
+
+                    _loop(0, spec.kv_rows, head_row, 0, unroll_static=spec.kv_rows <= 4 or "unroll" in DBG)
+                return carry
+
+            jax.lax.fori_loop(0, n_chunks, chunk, 0)
+
+        def _when_head(h, fn):
+            if isinstance(h, int) or Hkv % heads_per_row == 0:
+                fn()
+            else:
+                pl.when(h < Hkv)(fn)
+
+        def decode_new_token(qslot, nslot):
+            """Decode: attend to the sequence's own new token (not in the cache reads)."""
+            row = nkv_buf[nslot, 0].astype(jnp.float32)         # (kv_rows, pk, Dp)
+            for h in range(Hkv):
+                r, j = divmod(2 * h, pk)
+                kk = row[r, j:j + 1, :]                          # (1, Dp)
+                vv = row[r, j + 1:j + 2, :]
+                if v_scale is not None:
+                    vv = vv * v_scale
+                q = q_buf[qslot, pl.ds(0, 1), h].astype(jnp.float32).reshape(G, Dp)
+                s = jnp.sum(q * kk, axis=1, keepdims=True) * scale           # (G, 1)
+                if spec.soft_cap is not None:
+                    s = spec.soft_cap * jnp.tanh(s / spec.soft_cap)
+                m_prev = m_ref[0, h][:, :1]
+                l_prev = l_ref[0, h][:, :1]
+                m_new = jnp.maximum(m_prev, s)
+                p = jnp.exp(s - m_new)
+                alpha = jnp.exp(m_prev - m_new)
+                l_ref[0, h] = jnp.broadcast_to(alpha * l_prev + p, (G, LANES))
+                m_ref[0, h] = jnp.broadcast_to(m_new, (G, LANES))
+                acc_ref[0, h] = alpha * acc_ref[0, h] + p * vv
+
+        def finalize(oslot):
+            inv = 1.0 / l_ref[...][..., :1]
+            o_buf[oslot] = (acc_ref[...] * inv).astype(o_buf.dtype)
+
+        # ---------------------------------------------------------- pipeline
+        qslot_ref = cnt_ref.at[pl.ds(2, 1)]   # current q slot (read inside flash_update)
+
+        def run_segment(seg_lo, seg_hi, static_q_len):
+            nq_static = None
+            if static_q_len is not None:
+                nq_static = 1 if decode else max(1, cdiv(static_q_len, bq))
+
+            def run():
+                fetch_q(seg_lo, 0, 0)
+                fetch_kv(seg_lo, 0, 0, 0)
+                cnt_ref[3] = 0  # q slot
+                cnt_ref[4] = 0  # kv slot
+                cnt_ref[5] = 0  # o slot
+                cnt_ref[6] = 0  # o write pending
+
+                def seq_body(s, carry):
+                    info = seq_info(s)
+                    q_start, q_len, kv_len, ctx, nq = info
+                    cache_update(s, info, do_wait=False)
+
+                    def qblock(i, carry2):
+                        last_q = i + 1 >= nq
+                        nxt_s = jnp.where(last_q, s + 1, s)
+                        nxt_i = jnp.where(last_q, 0, i + 1)
+                        has_next = nxt_s < seg_hi
+                        qslot = cnt_ref[3]
+                        cnt_ref[2] = qslot
+
+                        @pl.when(has_next)
+                        def _():
+                            fetch_q(nxt_s, nxt_i, 1 - qslot)
+
+                        wait_q(qslot)
+                        init_acc()
+                        c0, nc, n0, nn = qblock_steps(info, i)
+                        nsteps = nc + nn
+
+                        def step(k, carry3):
+                            kvslot = cnt_ref[4]
+                            last_step = k + 1 >= nsteps
+
+                            @pl.when(jnp.logical_not(last_step))
+                            def _():
+                                fetch_kv(s, i, k + 1, 1 - kvslot)
+
+                            @pl.when(jnp.logical_and(last_step, has_next))
+                            def _():
+                                fetch_kv(nxt_s, nxt_i, 0, 1 - kvslot)
+
+                            wait_kv(kvslot)
+                            if "nocompute" not in DBG:
+                                compute_step(info, i, k, kvslot, c0, nc, n0)
+                            cnt_ref[4] = 1 - kvslot
+                            return carry3
+
+                        jax.lax.fori_loop(0, nsteps, step, 0)
+                        if decode and "nonew" not in DBG:
+                            decode_new_token(qslot, qslot)
+                        oslot = cnt_ref[5]
+                        finalize(oslot)
+
+                        @pl.when(cnt_ref[6] == 1)
+                        def _():
+                            o_copy(0, 0, 1 - oslot).wait()
+
+                        o_copy(q_start, i, oslot).start()
+                        cnt_ref[6] = 1
+                        cnt_ref[5] = 1 - oslot
+                        cnt_ref[3] = 1 - qslot
+                        return carry2
+
+                    _loop(0, nq if nq_static is None else nq_static, qblock, 0,
+                          unroll_static=nq_static is not None)
+                    cache_update(s, info, do_wait=True)
+                    return carry
+
+                jax.lax.fori_loop(seg_lo, seg_hi, seq_body, 0)
+
+                @pl.when(cnt_ref[6] == 1)
+                def _():
+                    o_copy(0, 0, 1 - cnt_ref[5]).wait()
+
+            _when(seg_lo < seg_hi, run)
+
+        for seg in segments:
+            run_segment(*seg)
+
+    return kernel
+
+
+def build_case_call(spec: KernelSpec, *, q_shape, q_dtype, newkv_shape, cache_shape, cache_dtype,
+                    vmem_limit_bytes: int | None, interpret):
+    """The ``pallas_call`` of one case (inputs: 4 SMEM arrays, q, newkv, cache, o_in)."""
+    bq, bkv, cq, ckv = spec.bs
+    Hkv, G, Dp = spec.num_kv_heads, spec.group, spec.head_dim_p
+    kv_block_shape = (bkv // spec.page_size, spec.page_size, spec.kv_rows, spec.kv_pack, Dp)
+    scratch = [
+        pltpu.VMEM((2, bq, Hkv, G, Dp), q_dtype),                  # q_buf
+        pltpu.VMEM((2,) + kv_block_shape, cache_dtype),            # kv_buf
+        pltpu.VMEM((2, 1, spec.kv_rows, spec.kv_pack, Dp), cache_dtype),  # nkv_buf (decode)
+        pltpu.VMEM((2, bq, Hkv, G, Dp), q_dtype),                  # o_buf
+        pltpu.VMEM((bq, Hkv, G, Dp), jnp.float32),                 # acc
+        pltpu.VMEM((bq, Hkv, G, LANES), jnp.float32),              # m
+        pltpu.VMEM((bq, Hkv, G, LANES), jnp.float32),              # l
+        pltpu.SMEM((8,), jnp.int32),                               # counters / slots
+        pltpu.SMEM((2 * spec.max_num_seqs + 1 if spec.static_meta else 1,), jnp.int32),
+        pltpu.SemaphoreType.DMA((5, 2)),
+    ]
+    any_spec = pl.BlockSpec(memory_space=pl.ANY)
+    params = dict(dimension_semantics=("arbitrary",))
+    if vmem_limit_bytes is not None:
+        params["vmem_limit_bytes"] = int(vmem_limit_bytes)
+    return pl.pallas_call(
+        _make_kernel(spec),
+        out_shape=(jax.ShapeDtypeStruct(q_shape, q_dtype),
+                   jax.ShapeDtypeStruct(cache_shape, cache_dtype)),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=4, grid=(1,),
+            in_specs=[any_spec] * 4, out_specs=[any_spec, any_spec],
+            scratch_shapes=scratch),
+        # operand indices count the 4 scalar-prefetch arrays: cache is #6, o_in is #7
+        input_output_aliases={7: 0, 6: 1},
+        compiler_params=pltpu.CompilerParams(**params),
+        interpret=interpret,
+        name=spec.name,
+    )

@@ -1,0 +1,51 @@
+"""Analytic VMEM model of the kernel's scratch buffers (tile padding included).
+
+Used as a pre-filter before compiling: it counts the buffers the kernel allocates
+(``rpa.build_case_call``) with Mosaic's minimal tiling (second-minor dims are padded to
+the dtype's sublane packing only when they exceed it), plus the f32 score tile of one
+compute step. The compiler's temporaries and spills come on top, so this is a lower
+bound on scoped VMEM: a config it rejects, the compiler rejects too.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .config import BlockSizes, round_up
+
+LANES = 128
+
+
+def _tile_rows(second_minor: int, dtype) -> int:
+    pack = 4 // np.dtype(dtype).itemsize
+    sub = 8 * pack
+    return second_minor if second_minor <= sub else round_up(second_minor, sub)
+
+
+def _bytes(shape, dtype) -> int:
+    *lead, sm, m = shape
+    n = int(np.prod(lead, dtype=np.int64)) if lead else 1
+    return n * _tile_rows(sm, dtype) * round_up(m, LANES) * np.dtype(dtype).itemsize
+
+
+def scratch_bytes(bs: BlockSizes, *, num_kv_heads: int, group: int, head_dim: int, page_size: int,
+                  kv_rows: int, kv_pack: int, q_dtype, kv_dtype) -> int:
+    bq, bkv, cq, ckv = bs
+    Dp = round_up(head_dim, LANES)
+    total = 0
+    total += 2 * _bytes((2, bq, num_kv_heads, group, Dp), q_dtype)          # q_buf + o_buf
+    total += _bytes((2, bkv // page_size, page_size, kv_rows, kv_pack, Dp), kv_dtype)
+    total += _bytes((2, 1, kv_rows, kv_pack, Dp), kv_dtype)
+    total += _bytes((bq, num_kv_heads, group, Dp), np.float32)
+    total += 2 * _bytes((bq, num_kv_heads, group, LANES), np.float32)
+    # one compute step's live f32 tiles: scores/probabilities and the K/V chunk
+    total += 2 * round_up(cq * group, 8) * round_up(ckv, LANES) * 4
+    total += 2 * ckv * kv_pack * Dp * 4
+    return total
+
+
+def default_vmem_limit(scratch: int, capacity: int) -> int:
+    """The scoped limit requested per config: scratch plus headroom for the compiler's own
+    temporaries (50% + 2 MiB), at least 16 MiB, and at most half the chip's VMEM (the
+    compiler reserves the whole limit and adds the kernel's scoped buffers on top)."""
+    want = int(scratch * 1.5) + (2 << 20)
+    return int(min(max(want, 16 << 20), capacity // 2))

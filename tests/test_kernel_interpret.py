@@ -1,0 +1,111 @@
+"""The Pallas kernel in TPU interpret mode (CPU) against the NumPy reference."""
+import numpy as np
+import pytest
+
+from kernel.workload import ModelShape, ServingLimits, Workload
+from kernel_cases import run_and_check
+
+GQA = ModelShape(32, 8, 128)
+MQA = ModelShape(8, 1, 128)
+MHA = ModelShape(8, 8, 128)
+
+
+def rng_lens(seed, n, lo, hi):
+    return [int(x) for x in np.random.default_rng(seed).integers(lo, hi, n)]
+
+
+def decode_w(seed, n=3, max_kv=300):
+    return Workload.of_case("decode", [1] * n, rng_lens(seed, n, 1, max_kv))
+
+
+def prefill_w(seed, chunk=24, n=2, max_ctx=80):
+    ctx = rng_lens(seed, n, 0, max_ctx)
+    return Workload.of_case("prefill", [chunk] * n, [chunk + c for c in ctx])
+
+
+def mixed_w(seed, n=3, max_q=20, max_ctx=90):
+    q = rng_lens(seed, n, 1, max_q)
+    ctx = rng_lens(seed + 1, n, 0, max_ctx)
+    return Workload.of_case("mixed", q, [a + b for a, b in zip(q, ctx)])
+
+
+SMALL = ServingLimits(page_size=16, max_num_tokens=96, max_num_seqs=6, max_model_len=320)
+
+CASES = [
+    # id, model, limits, workload, kwargs
+    ("decode-gqa", GQA, SMALL, decode_w(0), dict(d_block_sizes=(1, 64, 1, 32))),
+    ("decode-bkv-not-dividing", MQA, SMALL, Workload.of_case("decode", [1, 1], [1, 200]),
+     dict(d_block_sizes=(1, 48, 1, 16))),
+    ("decode-mha-fetch-eq-compute", MHA, SMALL, decode_w(1, n=2), dict(d_block_sizes=(1, 32, 1, 32))),
+    ("prefill-gqa", GQA, SMALL, prefill_w(2), dict(p_block_sizes=(16, 32, 8, 16))),
+    ("prefill-bq-not-dividing", MQA, SMALL, prefill_w(3, chunk=21), dict(p_block_sizes=(8, 48, 4, 16))),
+    ("prefill-no-context", MHA, SMALL, Workload.of_case("prefill", [40, 40], [40, 40]),
+     dict(p_block_sizes=(16, 16, 16, 16))),
+    ("mixed-gqa", GQA, SMALL, mixed_w(4), dict(m_block_sizes=(8, 32, 8, 16))),
+    ("mixed-mqa", MQA, SMALL, mixed_w(5), dict(m_block_sizes=(16, 64, 4, 32))),
+    ("all-three", GQA, SMALL,
+     Workload.concat(decode_w(6, n=2), prefill_w(7, chunk=16, n=1), mixed_w(8, n=2)),
+     dict(d_block_sizes=(1, 32, 1, 16), p_block_sizes=(16, 32, 8, 16), m_block_sizes=(8, 48, 8, 16))),
+    ("head-dim-64", ModelShape(8, 2, 64), SMALL,
+     Workload.concat(decode_w(9, n=1), None, mixed_w(10, n=2)),
+     dict(d_block_sizes=(1, 32, 1, 16), m_block_sizes=(8, 32, 4, 16))),
+    ("head-dim-256", ModelShape(4, 2, 256), SMALL,
+     Workload.concat(decode_w(11, n=1), prefill_w(12, chunk=12, n=1), None),
+     dict(d_block_sizes=(1, 32, 1, 32), p_block_sizes=(8, 32, 8, 16))),
+    ("page-128-long-context", ModelShape(8, 2, 128),
+     ServingLimits(page_size=128, max_num_tokens=64, max_num_seqs=4, max_model_len=2048),
+     Workload.concat(Workload.of_case("decode", [1, 1], [1900, 700]), None,
+                     Workload.of_case("mixed", [9, 30], [1500, 30])),
+     dict(d_block_sizes=(1, 512, 1, 128), m_block_sizes=(16, 256, 8, 128))),
+    ("many-pages-shuffled", ModelShape(4, 1, 128),
+     ServingLimits(page_size=16, max_num_tokens=64, max_num_seqs=4, max_model_len=1024),
+     Workload.concat(Workload.of_case("decode", [1, 1], [1000, 513]), None,
+                     Workload.of_case("mixed", [20], [777])),
+     dict(d_block_sizes=(1, 128, 1, 64), m_block_sizes=(16, 128, 16, 32))),
+]
+
+
+@pytest.mark.parametrize("model,limits,workload,kwargs", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_matches_reference(model, limits, workload, kwargs):
+    run_and_check(model, limits, workload, sm_scale=model.head_dim ** -0.5, **kwargs)
+
+
+FP8 = ModelShape(8, 2, 128, kv_dtype="float8_e4m3fn")
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(k_scale=0.5, v_scale=0.25),
+    dict(k_scale=0.5, v_scale=2.0, q_scale=0.1),
+], ids=["kv-scales", "q-k-v-scales"])
+def test_fp8_kv(kwargs):
+    w = Workload.concat(decode_w(20, n=2), prefill_w(21, chunk=16, n=1), mixed_w(22, n=2))
+    run_and_check(FP8, SMALL, w, sm_scale=0.088, d_block_sizes=(1, 32, 1, 16),
+                  p_block_sizes=(16, 32, 8, 16), m_block_sizes=(8, 32, 8, 16), atol=3e-2, rtol=3e-2,
+                  **kwargs)
+
+
+def test_fp8_mqa_odd_heads():
+    """fp8 packs 2 heads per row: one KV head leaves the second half of the row as padding."""
+    model = ModelShape(4, 1, 128, kv_dtype="float8_e4m3fn")
+    w = Workload.concat(decode_w(23, n=2), None, mixed_w(24, n=1))
+    run_and_check(model, SMALL, w, sm_scale=0.1, k_scale=1.5, v_scale=0.5,
+                  d_block_sizes=(1, 32, 1, 32), m_block_sizes=(8, 32, 8, 16), atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("window", [1, 7, 40])
+def test_sliding_window(window):
+    w = Workload.concat(decode_w(30, n=2), prefill_w(31, chunk=20, n=1), mixed_w(32, n=2))
+    run_and_check(GQA, SMALL, w, sm_scale=0.1, sliding_window=window, d_block_sizes=(1, 32, 1, 16),
+                  p_block_sizes=(8, 32, 8, 16), m_block_sizes=(8, 32, 4, 16))
+
+
+def test_soft_cap():
+    w = Workload.concat(decode_w(40, n=2), prefill_w(41, chunk=16, n=1), mixed_w(42, n=2))
+    run_and_check(MQA, SMALL, w, sm_scale=0.5, soft_cap=3.0, d_block_sizes=(1, 32, 1, 16),
+                  p_block_sizes=(16, 32, 8, 16), m_block_sizes=(8, 32, 8, 16))
+
+
+def test_heuristic_block_sizes_run():
+    """No block sizes given: the heuristic (default generation) must produce a working call."""
+    w = Workload.concat(decode_w(50, n=2), prefill_w(51, chunk=16, n=1), mixed_w(52, n=1))
+    run_and_check(ModelShape(8, 2, 128), SMALL, w, sm_scale=0.1)
