@@ -5,14 +5,14 @@ Public API::
     out, new_kv_cache = kernel.ragged_paged_attention(queries, keys, values, kv_cache,
         kv_lens, page_indices, cu_q_lens, distribution, *, sm_scale=1.0, ...)
 """
-from .config import (BlockSizes, CASES, Case, GENERATIONS, TpuGeneration, block_size_errors,
+from .config import (BlockSizes, CASES, Case, GENERATIONS, TpuGeneration, TuningKey, block_size_errors,
                      get_generation, get_kv_cache_shape, kv_packing)
 from .api import ragged_paged_attention
 from .validate import validate_inputs
 from . import reference
 
 __all__ = [
-    "BlockSizes", "CASES", "Case", "GENERATIONS", "TpuGeneration", "block_size_errors",
+    "BlockSizes", "CASES", "Case", "GENERATIONS", "TpuGeneration", "TuningKey", "block_size_errors",
     "get_generation", "get_kv_cache_shape", "kv_packing", "ragged_paged_attention",
     "validate_inputs", "reference",
 ]

@@ -156,3 +156,39 @@ def get_generation(name: str) -> TpuGeneration:
         if str(name).lower() == g.device_kind.lower():
             return g
     raise ValueError(f"unknown TPU generation {name!r}; valid: {sorted(GENERATIONS)}")
+
+
+# ------------------------------------------------------------------------- table key
+@dataclasses.dataclass(frozen=True, order=True)
+class TuningKey:
+    """What a tuned block-size entry is keyed by (one case, one shard's attention shape)."""
+
+    generation: str          # GENERATIONS name: v4, v5e, v5p, v6e, tpu7x
+    case: str                # decode / prefill / mixed
+    q_dtype: str
+    kv_dtype: str
+    num_q_heads: int         # per shard
+    num_kv_heads: int        # per shard
+    head_dim: int
+    page_size: int
+    max_num_tokens: int      # token bucket
+    max_model_len: int       # model-length bucket
+    sliding_window: bool = False
+
+    def __post_init__(self):
+        object.__setattr__(self, "generation", get_generation(self.generation).name)
+        object.__setattr__(self, "case", Case.parse(self.case).value)
+        for f in ("num_q_heads", "num_kv_heads", "head_dim", "page_size", "max_num_tokens", "max_model_len"):
+            v = getattr(self, f)
+            if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v <= 0:
+                raise ValueError(f"TuningKey.{f}={v!r} must be a positive int")
+            object.__setattr__(self, f, int(v))
+        object.__setattr__(self, "sliding_window", bool(self.sliding_window))
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def id(self) -> str:
+        return (f"{self.generation}/{self.case}/q{self.q_dtype}-kv{self.kv_dtype}/h{self.num_q_heads}x{self.num_kv_heads}"
+                f"/d{self.head_dim}/p{self.page_size}/t{self.max_num_tokens}/l{self.max_model_len}"
+                f"/sw{int(self.sliding_window)}")
