@@ -1,0 +1,73 @@
+"""Bad input raises ValueError naming the value and the rule, before any tracing."""
+import numpy as np
+import pytest
+import jax.numpy as jnp
+
+import kernel
+from kernel.workload import ModelShape, ServingLimits, Workload, make_inputs
+
+MODEL = ModelShape(8, 2, 128)
+LIMITS = ServingLimits(page_size=16, max_num_tokens=32, max_num_seqs=4, max_model_len=128)
+W = Workload.concat(Workload.of_case("decode", [1], [20]), Workload.of_case("prefill", [8], [30]),
+                    Workload.of_case("mixed", [3], [40]))
+
+
+@pytest.fixture()
+def inp():
+    return {k: jnp.asarray(v) for k, v in make_inputs(MODEL, LIMITS, W, seed=0).items()}
+
+
+def call(inp, **kw):
+    return kernel.ragged_paged_attention(**{**inp, **{k: v for k, v in kw.items() if k in inp}},
+                                         **{k: v for k, v in kw.items() if k not in inp}, interpret=True)
+
+
+@pytest.mark.parametrize("override,match", [
+    (lambda i: dict(queries=i["queries"][:, :, :64]), r"keys shape .* does not match queries"),
+    (lambda i: dict(queries=i["queries"][:, :7]), r"num_q_heads=7 is not divisible by num_kv_heads=2"),
+    (lambda i: dict(values=i["values"][:, :1]), r"keys shape .* != values shape"),
+    (lambda i: dict(queries=i["queries"].astype(jnp.float16)), r"queries dtype float16 not supported"),
+    (lambda i: dict(kv_cache=i["kv_cache"].astype(jnp.float32)), r"kv_cache dtype float32 not supported"),
+    (lambda i: dict(kv_cache=i["kv_cache"][:, :, :1]), r"kv_cache shape .* expected"),
+    (lambda i: dict(kv_lens=i["kv_lens"].astype(jnp.float32)), r"kv_lens must have dtype int32"),
+    (lambda i: dict(cu_q_lens=i["cu_q_lens"][:-1]), r"cu_q_lens has 4 entries; need max_num_seqs \+ 1 = 5"),
+    (lambda i: dict(distribution=jnp.array([2, 1, 3], jnp.int32)), r"distribution=\(2, 1, 3\) must satisfy"),
+    (lambda i: dict(distribution=jnp.array([0, 1, 9], jnp.int32)), r"distribution=\(0, 1, 9\)"),
+    (lambda i: dict(page_indices=i["page_indices"].at[0].set(10_000)), r"page_indices\[0\]=10000 .* out of range"),
+    (lambda i: dict(kv_lens=i["kv_lens"].at[1].set(3)), r"kv_lens\[1\]=3 < q_len=8"),
+    (lambda i: dict(distribution=jnp.array([2, 2, 3], jnp.int32)), r"sequence 1 is in the decode range .* q_len=8"),
+    (lambda i: dict(d_block_sizes=(1, 32, 1, 24)), r"bkv=32 must be a multiple of ckv=24"),
+    (lambda i: dict(p_block_sizes=(16, 32, 6, 16)), r"bq=16 must be a multiple of cq=6"),
+    (lambda i: dict(m_block_sizes=(8, 40, 8, 40)), r"bkv=40 must be a multiple of page_size=16"),
+    (lambda i: dict(p_block_sizes=(8, 32, 8, 8)), r"ckv=8 must be a multiple of page_size=16"),
+    (lambda i: dict(d_block_sizes=(2, 32, 1, 32)), r"decode block sizes need bq == cq == 1"),
+    (lambda i: dict(d_block_sizes=(1, 32, 1)), r"not a 4-tuple"),
+    (lambda i: dict(sliding_window=0), r"sliding_window=0 must be a positive int"),
+    (lambda i: dict(soft_cap=-1.0), r"soft_cap=-1.0 must be a positive float"),
+    (lambda i: dict(k_scale=0.0), r"k_scale=0.0 must be > 0"),
+])
+def test_bad_input_raises_value_error(inp, override, match):
+    with pytest.raises(ValueError, match=match):
+        call(inp, **override(inp))
+
+
+def test_head_dim_rule():
+    m = ModelShape(4, 2, 96)
+    with pytest.raises(ValueError, match=r"head_dim=96 is not supported; valid head_dim: \(64, 128, 256\)"):
+        call({k: jnp.asarray(v) for k, v in make_inputs(m, LIMITS, W).items()})
+
+
+def test_get_kv_cache_shape_layout():
+    assert kernel.get_kv_cache_shape(10, 16, 8, 128, jnp.bfloat16) == (10, 16, 8, 2, 128)
+    assert kernel.get_kv_cache_shape(10, 16, 1, 128, jnp.bfloat16) == (10, 16, 1, 2, 128)
+    assert kernel.get_kv_cache_shape(10, 16, 3, 64, jnp.float8_e4m3fn) == (10, 16, 2, 4, 128)
+    assert kernel.get_kv_cache_shape(4, 128, 8, 256, jnp.float8_e4m3fn) == (4, 128, 4, 4, 256)
+    with pytest.raises(ValueError, match="page_size=0 must be a positive int"):
+        kernel.get_kv_cache_shape(4, 0, 8, 128, jnp.bfloat16)
+
+
+def test_block_sizes_accepts_plain_tuple_and_named():
+    assert kernel.BlockSizes.coerce((1, 64, 1, 32)) == kernel.BlockSizes(bq=1, bkv=64, cq=1, ckv=32)
+    assert kernel.Case.parse("Prefill") is kernel.Case.PREFILL
+    with pytest.raises(ValueError, match="unknown case 'chunked'"):
+        kernel.Case.parse("chunked")
