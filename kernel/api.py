@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from dataclasses import dataclass
 
 import jax
@@ -10,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental.pallas import tpu as pltpu
 
-from . import rpa
+from . import rpa, tables  # tables reads files only on the first lookup
 from .config import BlockSizes, CASES, Case, block_size_errors, cdiv, round_up
 from .hardware import current_generation, tpu_info
 from .heuristics import heuristic_block_sizes
@@ -33,21 +34,62 @@ def quantize(x, dtype, scale=None):
 
 
 def resolve_block_sizes(case: Case, explicit, *, generation: str, dims: dict,
-                        chunk_prefill_size=None) -> tuple[BlockSizes, str]:
-    """Block sizes for one case and where they came from ("explicit" or "heuristic")."""
+                        chunk_prefill_size=None, sliding_window: bool = False) -> tuple[BlockSizes, str]:
+    """Block sizes for one case and where they came from.
+
+    Order: the explicit argument ("explicit") -> ``RPA_{D,P,M}_BLOCK_SIZES``
+    ("env:<variable>") -> the tables, exact key then bucketing rule ("table:<file>#<key>")
+    -> the heuristic ("heuristic"). See ``kernel.tables``. Everything after the explicit
+    argument is memoised per (shape, env value, table state): a call pays a dict lookup.
+    """
+    return _resolve(case, explicit, generation=generation, dims=dims, chunk_prefill_size=chunk_prefill_size,
+                    sliding_window=sliding_window)[:2]
+
+
+def _resolve(case: Case, explicit, *, generation: str, dims: dict, chunk_prefill_size=None,
+             sliding_window: bool = False) -> tuple[BlockSizes, str, int | None]:
+    """``resolve_block_sizes`` plus the scoped VMEM limit a table entry asks for (None: the
+    kernel's default for the block sizes)."""
     if explicit is not None:
-        return BlockSizes.coerce(explicit, name=f"{case.value} block sizes"), "explicit"
-    from . import tables  # lazily: tables reads files only on first use
-    found = tables.lookup_block_sizes(case, generation=generation, dims=dims)
+        return BlockSizes.coerce(explicit, name=f"{case.value} block sizes"), "explicit", None
+    return _resolve_cached(
+        case, generation, os.environ.get(tables.ENV_BLOCK_SIZES[case]), tables.epoch(),
+        dims["max_num_tokens"], dims["num_q_heads"], dims["num_kv_heads"], dims["head_dim"],
+        dims["page_size"], dims["pages_per_seq"], dims["q_dtype"], dims["kv_dtype"],
+        chunk_prefill_size, bool(sliding_window))
+
+
+@functools.lru_cache(maxsize=4096)
+def _resolve_cached(case, generation, env_raw, epoch, max_num_tokens, num_q_heads, num_kv_heads, head_dim,
+                    page_size, pages_per_seq, q_dtype, kv_dtype, chunk_prefill_size, sliding_window):
+    dims = dict(max_num_tokens=max_num_tokens, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+                head_dim=head_dim, page_size=page_size, pages_per_seq=pages_per_seq, q_dtype=q_dtype,
+                kv_dtype=kv_dtype)
+    env = tables.env_block_sizes(case)
+    if env is not None:
+        bs, var = env
+        errs = block_size_errors(case, bs, page_size)
+        if errs:
+            raise ValueError(f"environment variable {var}={','.join(map(str, bs))} gives illegal "
+                             f"{case.value} block sizes: " + "; ".join(errs))
+        return bs, f"env:{var}", None
+    found = tables.lookup_entry(case, generation=generation, dims=dims, sliding_window=sliding_window)
     if found is not None:
         return found
+    return _heuristic_cached(
+        case, generation, num_q_heads, num_kv_heads, head_dim, page_size, kv_bytes_per_token(dims),
+        max_num_tokens, pages_per_seq * page_size, chunk_prefill_size, q_dtype, kv_dtype), "heuristic", None
+
+
+@functools.lru_cache(maxsize=4096)
+def _heuristic_cached(case, generation, num_q_heads, num_kv_heads, head_dim, page_size, kv_bpt,
+                      max_num_tokens, max_model_len, chunk_prefill_size, q_dtype, kv_dtype) -> BlockSizes:
+    """The heuristic is a pure function of these: computed once per shape, not per call."""
     return heuristic_block_sizes(
-        case, generation=generation, num_q_heads=dims["num_q_heads"],
-        num_kv_heads=dims["num_kv_heads"], head_dim=dims["head_dim"], page_size=dims["page_size"],
-        kv_bytes_per_token=kv_bytes_per_token(dims), max_num_tokens=dims["max_num_tokens"],
-        max_model_len=dims["pages_per_seq"] * dims["page_size"],
-        chunk_prefill_size=chunk_prefill_size, q_dtype=dims["q_dtype"],
-        kv_dtype=dims["kv_dtype"]), "heuristic"
+        case, generation=generation, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+        head_dim=head_dim, page_size=page_size, kv_bytes_per_token=kv_bpt,
+        max_num_tokens=max_num_tokens, max_model_len=max_model_len,
+        chunk_prefill_size=chunk_prefill_size, q_dtype=q_dtype, kv_dtype=kv_dtype)
 
 
 def kv_bytes_per_token(dims: dict) -> int:
@@ -74,7 +116,8 @@ def ragged_paged_attention(
       cu_q_lens: ``int32[max_num_seqs + 1]``.
       distribution: ``int32[3]`` ``(i, j, k)``: ``[0,i)`` decode, ``[i,j)`` prefill, ``[j,k)`` mixed.
       d/p/m_block_sizes: ``BlockSizes`` (or 4-tuples) per case; ``None`` resolves through
-        the tables, then the heuristic (``kernel.heuristics``).
+        ``RPA_{D,P,M}_BLOCK_SIZES``, then the tuned tables (``kernel.tables``: exact key,
+        then the bucketing rule), then the heuristic (``kernel.heuristics``).
       interpret: run in the Pallas TPU interpreter (``True`` or a ``pltpu.InterpretParams``).
 
     Returns:
@@ -107,7 +150,7 @@ class Options:
     k_scale: float | None
     v_scale: float | None
     block_sizes: tuple  # (decode, prefill, mixed)
-    vmem_limit_bytes: int | None
+    vmem_limit_bytes: int | tuple | None   # one limit, or per case (decode, prefill, mixed)
     generation: str
     static_meta: tuple | None = None      # analysis mode, per case
     cases: tuple = ("decode", "prefill", "mixed")
@@ -117,14 +160,18 @@ def build_options(dims: dict, generation: str, explicit: dict, *, sm_scale=1.0, 
                   soft_cap=None, q_scale=None, k_scale=None, v_scale=None, chunk_prefill_size=None,
                   vmem_limit_bytes=None, static_meta=None, cases=("decode", "prefill", "mixed")) -> "Options":
     """Resolve block sizes per case and freeze every static option of one call."""
-    resolved = {}
+    resolved, table_limits = {}, []
     for case in CASES:
-        bs, _source = resolve_block_sizes(case, explicit.get(case), generation=generation, dims=dims,
-                                          chunk_prefill_size=chunk_prefill_size)
+        bs, _source, limit = _resolve(case, explicit.get(case), generation=generation, dims=dims,
+                                      chunk_prefill_size=chunk_prefill_size,
+                                      sliding_window=sliding_window is not None)
         errs = block_size_errors(case, bs, dims["page_size"])
         if errs:
             raise ValueError(f"{case.value} block sizes {tuple(bs)} are illegal: " + "; ".join(errs))
         resolved[case] = bs
+        table_limits.append(limit)
+    if vmem_limit_bytes is None and any(v is not None for v in table_limits):
+        vmem_limit_bytes = tuple(table_limits)   # the limits the table's entries were tuned with
     f = lambda v: None if v is None else float(v)
     return Options(
         sm_scale=float(sm_scale), sliding_window=None if sliding_window is None else int(sliding_window),
@@ -168,6 +215,18 @@ def case_spec(case: Case, options: Options, *, num_kv_heads, group, head_dim, pa
         static_meta=static_meta)
 
 
+def default_case_vmem_limit(bs: BlockSizes, *, generation: str, num_q_heads: int, num_kv_heads: int,
+                            head_dim: int, page_size: int, q_dtype, kv_dtype) -> int:
+    """The scoped VMEM limit a call uses for ``bs`` when neither the caller nor a table
+    gives one (what ``vmem_limit_for`` computes inside the jitted call)."""
+    pk = 32 // (np.dtype(kv_dtype).itemsize * 8)
+    sb = scratch_bytes(BlockSizes.coerce(bs), num_kv_heads=num_kv_heads, group=num_q_heads // num_kv_heads,
+                       head_dim=round_up(head_dim, 128), page_size=page_size,
+                       kv_rows=cdiv(2 * num_kv_heads, pk), kv_pack=pk, q_dtype=np.dtype(q_dtype),
+                       kv_dtype=np.dtype(kv_dtype))
+    return default_vmem_limit(sb, tpu_info(generation).vmem_capacity_bytes)
+
+
 def vmem_limit_for(spec: rpa.KernelSpec, q_dtype, kv_dtype, generation: str, explicit=None) -> int:
     if explicit is not None:
         return int(explicit)
@@ -195,7 +254,9 @@ def _rpa_jit(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, 
             spec, q_shape=q.shape, q_dtype=q.dtype, newkv_shape=newkv.shape,
             cache_shape=kv_cache.shape, cache_dtype=kv_cache.dtype,
             vmem_limit_bytes=None if interpret is not None else vmem_limit_for(
-                spec, q.dtype, kv_cache.dtype, options.generation, options.vmem_limit_bytes),
+                spec, q.dtype, kv_cache.dtype, options.generation,
+                options.vmem_limit_bytes[CASES.index(case)] if isinstance(options.vmem_limit_bytes, tuple)
+                else options.vmem_limit_bytes),
             interpret=interpret if interpret is not None else False)
         o, kv_cache = call(kv_lens, page_indices, cu_q_lens, distribution, q, newkv, kv_cache, o)
     out = o[:T].reshape(T, Hq, -1)[:, :, :D]

@@ -76,17 +76,35 @@ class KernelSpec:
         return f"rpa_{self.case.value}_{self.bs.label()}"
 
 
+def _unsigned_scalar_op(op, a, b):
+    """``op`` on non-negative int32 scalars, computed in uint32.
+
+    Signed scalar division/remainder by a constant lowers to an absolute value taken with
+    ``smin.u32``, which libtpu's static profiler cannot evaluate: every quantity derived
+    from it (trip counts, positions, masks) became unknown in analysis mode, instructions
+    depending on it were dropped from the simulated trace (a P@V ``vmatmul`` among them,
+    but not its result pops: "Cannot schedule FIFO pop instruction when the FIFO is
+    empty"). Unsigned division lowers to shifts / multiply-high, which it evaluates; the
+    result is the same for the non-negative operands used here."""
+    u = lambda x: (jnp.asarray(x, jnp.int32) if isinstance(x, int) else x).astype(jnp.uint32)
+    return op(u(a), u(b)).astype(jnp.int32)
+
+
 def _div(a, b):
     """Floor division of non-negative ints (lax.div avoids jnp's sign-based floor_divide,
     which needs a concrete TPU to lower)."""
     if isinstance(a, int) and isinstance(b, int):
         return a // b
+    if jnp.ndim(a) == 0 and jnp.ndim(b) == 0:
+        return _unsigned_scalar_op(jax.lax.div, a, b)
     return jax.lax.div(a, jnp.asarray(b, jnp.int32) if isinstance(b, int) else b)
 
 
 def _rem(a, b):
     if isinstance(a, int) and isinstance(b, int):
         return a % b
+    if jnp.ndim(a) == 0 and jnp.ndim(b) == 0:
+        return _unsigned_scalar_op(jax.lax.rem, a, b)
     return jax.lax.rem(a, jnp.asarray(b, jnp.int32) if isinstance(b, int) else b)
 
 
@@ -94,16 +112,43 @@ def _cdiv(a, b):
     return _div(a + b - 1, b)
 
 
+# Scalar min / max / select are computed branch-free (sub, arithmetic shift, and, add)
+# rather than with jnp.minimum / jnp.maximum / jnp.where. Same values, but the static
+# profiler evaluates them: the compiler turns scalar selects into predicated moves
+# (``dst = smov (p, old), new``), and when p is false the profiler leaves ``dst``
+# undefined instead of keeping ``old``; everything computed from it (trip counts, DMA
+# addresses, the KV-position masks and through them a ``vmatmul``) was then dropped from
+# the simulated trace. Operands are positions / lengths far below 2**30 (no overflow).
+def _i32(x):
+    return jnp.asarray(x, jnp.int32) if isinstance(x, int) else x
+
+
+def _lt_mask(a, b):
+    """-1 (all ones) where a < b, else 0."""
+    return jax.lax.shift_right_arithmetic(_i32(a) - _i32(b), jnp.int32(31))
+
+
+def _select_lt(a, b, x, y):
+    """``x if a < b else y`` for int32 scalars."""
+    if all(isinstance(v, int) for v in (a, b, x, y)):
+        return x if a < b else y
+    return _i32(y) + ((_i32(x) - _i32(y)) & _lt_mask(a, b))
+
+
 def _min(a, b):
     if isinstance(a, int) and isinstance(b, int):
         return min(a, b)
-    return jnp.minimum(a, b)
+    if jnp.ndim(a) or jnp.ndim(b):
+        return jnp.minimum(a, b)
+    return _select_lt(a, b, a, b)
 
 
 def _max(a, b):
     if isinstance(a, int) and isinstance(b, int):
         return max(a, b)
-    return jnp.maximum(a, b)
+    if jnp.ndim(a) or jnp.ndim(b):
+        return jnp.maximum(a, b)
+    return _select_lt(a, b, b, a)
 
 
 def _when(cond, fn):
@@ -234,8 +279,8 @@ def _make_kernel(spec: KernelSpec):
             q_start, q_len, kv_len, ctx, _ = info
             c0, nc, n0, _ = qblock_steps(info, i)
             cached = k < nc
-            blk = jnp.where(cached, c0 + k, n0 + k - nc)
-            limit = jnp.where(cached, ctx, q_len)
+            blk = _select_lt(k, nc, c0 + k, n0 + k - nc)
+            limit = _select_lt(k, nc, ctx, q_len)
             if decode:
                 limit = ctx
             valid = _max(0, _min(bkv, limit - blk * bkv))
@@ -369,10 +414,9 @@ def _make_kernel(spec: KernelSpec):
 
         def compute_step(info, i, k_step, kvslot, c0, nc, n0):
             q_start, q_len, kv_len, ctx, _ = info
-            cached = k_step < nc
-            blk = jnp.where(cached, c0 + k_step, n0 + k_step - nc)
-            base = jnp.where(cached, blk * bkv, ctx + blk * bkv)   # position of row 0
-            limit = jnp.where(cached, ctx, kv_len)                 # first invalid position
+            blk = _select_lt(k_step, nc, c0 + k_step, n0 + k_step - nc)
+            base = _select_lt(k_step, nc, blk * bkv, ctx + blk * bkv)   # position of row 0
+            limit = _select_lt(k_step, nc, ctx, kv_len)                 # first invalid position
             if decode:
                 base, limit = blk * bkv, ctx
             q_first = ctx + i * bq
@@ -475,9 +519,8 @@ def _make_kernel(spec: KernelSpec):
                     cache_update(s, info, do_wait=False)
 
                     def qblock(i, carry2):
-                        last_q = i + 1 >= nq
-                        nxt_s = jnp.where(last_q, s + 1, s)
-                        nxt_i = jnp.where(last_q, 0, i + 1)
+                        nxt_s = _select_lt(i + 1, nq, s, s + 1)       # last_q ? s + 1 : s
+                        nxt_i = _select_lt(i + 1, nq, i + 1, 0)       # last_q ? 0 : i + 1
                         has_next = nxt_s < seg_hi
                         qslot = cnt_ref[3]
                         cnt_ref[2] = qslot

@@ -1,0 +1,496 @@
+"""The sweep engine: enumerate -> legality -> VMEM pre-filter -> evaluate -> record.
+
+Evaluations run in worker subprocesses (``rpa_tune.worker``), ``jobs`` at a time. Each
+worker lives in its own process group; an evaluation that exceeds its timeout gets its
+whole group killed and is recorded as ``timeout``; a worker that dies (libtpu abort,
+segfault, OOM kill) has its evaluation recorded as ``crash`` with the tail of its
+stderr. Either way a fresh worker replaces it and the sweep goes on.
+
+Every finished evaluation is written to the store at once (one atomic Parquet file), so
+an interrupted sweep (Ctrl-C, ``kill -9``) loses nothing that finished; rerunning the
+same command skips every config already recorded (same ``config_id``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime as _dt
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Callable
+
+from kernel.config import BlockSizes, Case, TuningKey, block_size_errors
+from kernel.workload import ModelShape, ServingLimits, Workload
+
+from . import prefilter, provenance
+from .evaluators import base
+from .evaluators.base import EvalResult, Task
+from .search import make_search
+from .space import CaseSpace, context, enumerate_space
+from .store import ResultStore, config_id
+from .worker import MARK, PARENT_ENV
+from .workloads import workload_id
+
+WORKER_START_TIMEOUT = 300.0
+
+
+def grace_seconds(timeout: float) -> float:
+    """Time the engine waits past ``timeout`` before killing a worker (the evaluator
+    itself is told ``timeout`` and normally returns first)."""
+    return min(15.0, max(2.0, 0.1 * timeout))
+
+
+# ============================================================================ workers
+@dataclasses.dataclass
+class _Job:
+    id: int
+    task: Task
+    payload: object
+    dispatched: float
+    deadline: float | None = None
+
+
+class _Worker:
+    def __init__(self, backend: str, env: dict, log_dir: Path, index: int):
+        self.log_path = log_dir / f"worker-{index}-{uuid.uuid4().hex[:6]}.log"
+        self.log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "rpa_tune.worker", backend], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=self.log, env=env, start_new_session=True,
+            text=True, bufsize=1)
+        self.started = time.monotonic()
+        self.ready_at: float | None = None
+        self.job: _Job | None = None
+        self.dead = False
+
+    def kill(self) -> None:
+        if self.dead:
+            return
+        self.dead = True
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+        for f in (self.proc.stdin, self.proc.stdout):
+            try:
+                f.close()
+            except (OSError, ValueError):
+                pass
+        self.log.close()
+
+    def stderr_tail(self, n: int = 1500) -> str:
+        try:
+            data = self.log_path.read_bytes()[-20000:].decode("utf-8", "replace")
+        except OSError:
+            return ""
+        lines = [l for l in data.splitlines() if l.strip()]
+        return " | ".join(lines[-10:])[-n:]
+
+
+class WorkerPool:
+    """``jobs`` worker processes for one backend; ``submit`` tasks, ``wait`` for results."""
+
+    def __init__(self, backend: str, jobs: int, *, env: dict | None = None):
+        self.backend = backend
+        self.jobs = max(1, int(jobs))
+        self.env = base.worker_env(backend, env)
+        self.env[PARENT_ENV] = str(os.getpid())
+        repo = str(provenance.REPO_DIR)
+        self.env["PYTHONPATH"] = repo + (os.pathsep + self.env["PYTHONPATH"] if self.env.get("PYTHONPATH") else "")
+        self._tmp = tempfile.TemporaryDirectory(prefix="rpa_tune_workers_")
+        self.log_dir = Path(self._tmp.name)
+        self._q: queue.Queue = queue.Queue()
+        self._workers: list[_Worker | None] = [None] * self.jobs
+        self._next_id = 0
+        self._spawned = 0
+
+    # -- worker lifecycle ----------------------------------------------------------------
+    def _spawn(self, slot: int) -> _Worker:
+        w = _Worker(self.backend, self.env, self.log_dir, self._spawned)
+        self._spawned += 1
+        self._workers[slot] = w
+        threading.Thread(target=self._reader, args=(w,), daemon=True).start()
+        return w
+
+    def _reader(self, w: _Worker) -> None:
+        try:
+            for line in w.proc.stdout:
+                if line.startswith(MARK):
+                    try:
+                        self._q.put((w, json.loads(line[len(MARK):])))
+                    except json.JSONDecodeError:
+                        pass
+        except (OSError, ValueError):
+            pass
+        self._q.put((w, None))   # EOF: the worker exited
+
+    # -- API -----------------------------------------------------------------------------
+    @property
+    def busy(self) -> int:
+        return sum(1 for w in self._workers if w is not None and w.job is not None)
+
+    def free_slots(self) -> int:
+        return self.jobs - self.busy
+
+    def submit(self, task: Task, payload=None) -> None:
+        slot = next((i for i, w in enumerate(self._workers) if w is None or w.job is None), None)
+        if slot is None:
+            raise RuntimeError("no free worker")
+        w = self._workers[slot]
+        if w is None or w.dead or w.proc.poll() is not None:
+            w = self._spawn(slot)
+        self._next_id += 1
+        job = _Job(self._next_id, task, payload, time.monotonic())
+        if w.ready_at is not None:
+            job.deadline = time.monotonic() + task.timeout + grace_seconds(task.timeout)
+        w.job = job
+        try:
+            w.log.truncate(0)
+        except OSError:
+            pass
+        try:
+            w.proc.stdin.write(json.dumps({"id": job.id, "task": task.to_json()}) + "\n")
+            w.proc.stdin.flush()
+        except (OSError, ValueError):
+            pass  # the reader thread reports the dead worker
+
+    def wait(self, timeout: float | None = None) -> list[tuple[object, Task, EvalResult, float]]:
+        """Block until at least one submitted task finished (or ``timeout`` s passed)."""
+        done: list = []
+        end = None if timeout is None else time.monotonic() + timeout
+        while not done:
+            now = time.monotonic()
+            if end is not None and now >= end:
+                break
+            if self.busy == 0:
+                break
+            deadlines = [self._deadline(w) for w in self._workers if w is not None and w.job is not None]
+            nearest = min(deadlines) if deadlines else now + 1.0
+            limit = min(nearest, end) if end is not None else nearest
+            try:
+                w, msg = self._q.get(timeout=max(0.01, min(1.0, limit - now)))
+                self._handle(w, msg, done)
+                while True:   # drain whatever else is ready
+                    w, msg = self._q.get_nowait()
+                    self._handle(w, msg, done)
+            except queue.Empty:
+                pass
+            self._check_deadlines(done)
+        return done
+
+    def _deadline(self, w: _Worker) -> float:
+        if w.job.deadline is not None:
+            return w.job.deadline
+        return w.started + WORKER_START_TIMEOUT
+
+    def _handle(self, w: _Worker, msg, done: list) -> None:
+        if w.dead:
+            return
+        if msg is None:   # the worker died
+            code = w.proc.poll()
+            if code is None:
+                try:
+                    code = w.proc.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    code = "?"
+            job = w.job
+            how = f"killed by signal {-code}" if isinstance(code, int) and code < 0 else f"exit code {code}"
+            tail = w.stderr_tail()
+            w.kill()
+            if job is not None:
+                w.job = None
+                res = EvalResult(base.CRASH, "", message=f"worker process died ({how}): {tail}")
+                done.append((job.payload, job.task, res, time.monotonic() - job.dispatched))
+            return
+        if msg.get("ready"):
+            w.ready_at = time.monotonic()
+            if w.job is not None and w.job.deadline is None:
+                w.job.deadline = w.ready_at + w.job.task.timeout + grace_seconds(w.job.task.timeout)
+            return
+        job = w.job
+        if job is None or msg.get("id") != job.id:
+            return
+        w.job = None
+        res = EvalResult.from_json(msg["result"])
+        done.append((job.payload, job.task, res, float(msg.get("eval_s") or time.monotonic() - job.dispatched)))
+
+    def _check_deadlines(self, done: list) -> None:
+        now = time.monotonic()
+        for w in self._workers:
+            if w is None or w.job is None or now < self._deadline(w):
+                continue
+            job = w.job
+            w.job = None
+            started = w.ready_at is not None
+            w.kill()
+            if started:
+                res = EvalResult(base.TIMEOUT, "", message=f"evaluation exceeded --timeout {job.task.timeout:g} s "
+                                 f"(worker killed after {now - job.dispatched:.0f} s)")
+            else:
+                res = EvalResult(base.CRASH, "", message=f"worker did not start within {WORKER_START_TIMEOUT:.0f} s: "
+                                 + w.stderr_tail())
+            done.append((job.payload, job.task, res, now - job.dispatched))
+
+    def close(self) -> None:
+        for w in self._workers:
+            if w is not None:
+                w.kill()
+        self._workers = [None] * self.jobs
+        try:
+            self._tmp.cleanup()
+        except OSError:
+            pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+# ============================================================================= sweeps
+@dataclasses.dataclass
+class SweepSpec:
+    """Everything one sweep (one key, one workload) needs; validated by the caller."""
+
+    key: TuningKey
+    model: ModelShape
+    limits: ServingLimits
+    workload: Workload
+    workload_desc: str
+    case_space: CaseSpace
+    backend: str = "compile"
+    search: str = "tpe"
+    budget: int = 20
+    seed: int = 0
+    jobs: int = 1
+    timeout: float = 900.0
+    patience: int = 10
+    retry: tuple = ()            # statuses to evaluate again on resume
+    model_label: str = ""
+
+    @property
+    def generation(self) -> str:
+        return self.key.generation
+
+    @property
+    def case(self) -> Case:
+        return Case.parse(self.key.case)
+
+
+@dataclasses.dataclass
+class Plan:
+    """What a sweep will evaluate, before any evaluation."""
+
+    candidates: list              # legal, capped, VMEM pre-filter passed
+    predicted: dict               # BlockSizes -> predicted scratch bytes
+    total: int
+    illegal: int
+    capped: int
+    prefiltered: int
+    not_estimable: int
+    heuristic: BlockSizes | None
+    reasons: dict
+
+
+def heuristic_config(spec: SweepSpec) -> BlockSizes | None:
+    """The kernel's default block sizes for this key (``kernel.heuristics``)."""
+    from kernel.heuristics import heuristic_block_sizes
+    from kernel.config import kv_packing, cdiv, round_up
+    import numpy as np
+    m, lim = spec.model, spec.limits
+    pk = kv_packing(m.kv_dtype)
+    kv_bytes = cdiv(2 * m.num_kv_heads, pk) * pk * round_up(m.head_dim, 128) * np.dtype(m.kv_dtype).itemsize
+    chunk = max(spec.workload.q_lens) if spec.case == Case.PREFILL else None
+    try:
+        return heuristic_block_sizes(spec.case, generation=spec.generation, num_q_heads=m.num_q_heads,
+                                     num_kv_heads=m.num_kv_heads, head_dim=m.head_dim, page_size=lim.page_size,
+                                     kv_bytes_per_token=kv_bytes, max_num_tokens=lim.max_num_tokens,
+                                     max_model_len=lim.max_model_len, chunk_prefill_size=chunk,
+                                     q_dtype=m.q_dtype, kv_dtype=m.kv_dtype)
+    except Exception:  # noqa: BLE001 - a baseline is optional
+        return None
+
+
+def plan_sweep(spec: SweepSpec) -> Plan:
+    ctx = context(spec.model, spec.limits, spec.generation)
+    en = enumerate_space(spec.case_space, ctx)
+    cands = list(en.candidates)
+    heur = heuristic_config(spec)
+    if heur is not None and heur not in cands and not block_size_errors(spec.case, heur, spec.limits.page_size):
+        cands.insert(0, heur)    # the baseline is evaluated even when outside the space
+    keep, predicted = [], {}
+    prefiltered = not_estimable = 0
+    for bs in cands:
+        p = prefilter.predicted_bytes(spec.model, spec.limits, bs)
+        if prefilter.rejects(p, spec.generation):
+            prefiltered += 1
+            continue
+        if spec.backend == "compile" and not _estimable(spec, bs):
+            not_estimable += 1
+            continue
+        keep.append(bs)
+        predicted[bs] = p
+    if heur not in predicted:
+        heur = None
+    return Plan(keep, predicted, en.total, en.illegal, en.capped, prefiltered, not_estimable, heur, en.reasons)
+
+
+def _estimable(spec: SweepSpec, bs: BlockSizes) -> bool:
+    """The compile backend's estimate unrolls q blocks (``kernel.analysis.MAX_UNROLLED_Q_BLOCKS``)."""
+    if spec.case == Case.DECODE:
+        return True
+    from kernel.analysis import MAX_UNROLLED_Q_BLOCKS
+    lo, hi = spec.workload.case_range(spec.case)
+    return max(-(-q // bs.bq) for q in spec.workload.q_lens[lo:hi]) <= MAX_UNROLLED_Q_BLOCKS
+
+
+@dataclasses.dataclass
+class Outcome:
+    spec: SweepSpec
+    plan: Plan
+    counts: dict
+    evaluated: int = 0            # new evaluations this run
+    resumed: int = 0              # configs found in the store
+    best: dict | None = None      # best ok row
+    heuristic_row: dict | None = None
+    interrupted: bool = False
+    stop_reason: str = ""
+    elapsed_s: float = 0.0
+    search_note: str = ""
+
+
+class Events:
+    """Callbacks for progress displays (all optional)."""
+
+    def start(self, spec: SweepSpec, plan: Plan, total: int) -> None: ...
+    def resumed(self, row: dict) -> None: ...
+    def dispatched(self, bs: BlockSizes) -> None: ...
+    def finished(self, row: dict, outcome: Outcome) -> None: ...
+
+
+def run_sweep(spec: SweepSpec, store: ResultStore, *, events: Events | None = None,
+              pool_env: dict | None = None) -> Outcome:
+    events = events or Events()
+    t_start = time.monotonic()
+    plan = plan_sweep(spec)
+    outcome = Outcome(spec, plan, counts={s: 0 for s in base.STATUSES})
+    search = make_search(spec.search, plan.candidates, budget=spec.budget, seed=spec.seed,
+                         first=plan.heuristic, patience=spec.patience, jobs=spec.jobs)
+    outcome.search_note = search.fallback
+    total = min(spec.budget, len(plan.candidates))
+    prov = provenance.provenance()
+    ev_version = base.evaluator_version(spec.backend)
+    wid = workload_id(spec.workload)
+    key_id = spec.key.id()
+    recorded = store.recorded()
+    sweep_id = uuid.uuid4().hex[:12]
+    events.start(spec, plan, total)
+    asked = 0
+    exhausted = False
+
+    def cid(bs):
+        return config_id(key_id, wid, bs, spec.backend, prov["kernel_hash"], ev_version)
+
+    def note(row):
+        outcome.counts[row["status"]] = outcome.counts.get(row["status"], 0) + 1
+        if row["status"] == base.OK and row.get("metric") is not None:
+            if outcome.best is None or row["metric"] < outcome.best["metric"]:
+                outcome.best = row
+        if row.get("is_heuristic"):
+            outcome.heuristic_row = row
+
+    pool = WorkerPool(spec.backend, 1 if spec.backend == "tpu" else spec.jobs, env=pool_env)
+    try:
+        while True:
+            # hand out work while there is budget and a free worker
+            while not exhausted and asked < spec.budget and pool.free_slots() > 0 and not search.should_stop():
+                bs = search.ask()
+                if bs is None:
+                    exhausted = True
+                    break
+                asked += 1
+                prev = recorded.get(cid(bs))
+                if prev is not None and prev["status"] not in spec.retry:
+                    prev = dict(prev, is_heuristic=bs == plan.heuristic)
+                    outcome.resumed += 1
+                    note(prev)
+                    search.tell(bs, prev["status"], prev.get("metric"))
+                    events.resumed(prev)
+                    continue
+                task = Task(backend=spec.backend, generation=spec.generation, case=spec.case.value,
+                            model=spec.model, limits=spec.limits, workload=spec.workload, bs=bs,
+                            timeout=float(spec.timeout), seed=spec.seed,
+                            vmem_predicted_bytes=plan.predicted.get(bs))
+                pool.submit(task, bs)
+                events.dispatched(bs)
+            if pool.busy == 0:
+                break
+            for bs, task, res, eval_s in pool.wait():
+                row = make_row(spec.key, spec.limits, spec.workload, spec.workload_desc, bs, res,
+                               backend=spec.backend, search=spec.search, seed=spec.seed, eval_s=eval_s,
+                               prov=prov, config=cid(bs), wid=wid, ev_version=ev_version, sweep_id=sweep_id,
+                               heuristic=bs == plan.heuristic, predicted=plan.predicted.get(bs))
+                store.append([row])
+                recorded[row["config_id"]] = row
+                outcome.evaluated += 1
+                note(row)
+                search.tell(bs, row["status"], row.get("metric"))
+                events.finished(row, outcome)
+        if search.stop_reason:
+            outcome.stop_reason = search.stop_reason
+        elif asked >= spec.budget and len(plan.candidates) > spec.budget:
+            outcome.stop_reason = f"budget of {spec.budget} evaluations reached"
+        else:
+            outcome.stop_reason = "every candidate evaluated"
+    except KeyboardInterrupt:
+        outcome.interrupted = True
+        outcome.stop_reason = "interrupted: rerun the same command to resume"
+    finally:
+        pool.close()
+        outcome.elapsed_s = time.monotonic() - t_start
+    return outcome
+
+
+def make_row(key: TuningKey, limits: ServingLimits, workload: Workload, workload_desc: str, bs: BlockSizes,
+             res: EvalResult, *, backend: str, search: str, seed: int, eval_s: float, prov: dict, config: str,
+             wid: str, ev_version: str, sweep_id: str, heuristic: bool, predicted: int | None) -> dict:
+    """One store row (``store.SCHEMA``) for one evaluation."""
+    w = workload
+    r = dict(key.as_dict())
+    r.update(
+        key_id=key.id(), max_num_seqs=limits.max_num_seqs,
+        workload_id=wid, workload=workload_desc,
+        workload_json=json.dumps({"q_lens": w.q_lens, "kv_lens": w.kv_lens, "distribution": w.distribution}),
+        num_seqs=w.num_seqs, num_tokens=w.num_tokens,
+        bq=bs.bq, bkv=bs.bkv, cq=bs.cq, ckv=bs.ckv, is_heuristic=bool(heuristic),
+        status=res.status, metric=res.metric, unit=res.unit, method=res.method or _method(backend),
+        cycles=res.cycles, estimate_s=res.estimate_s, memory_bound_s=res.memory_bound_s,
+        compute_bound_s=res.compute_bound_s, active_bound=res.active_bound, samples=res.samples,
+        spread=res.spread, compile_s=res.compile_s, eval_s=eval_s, vmem_predicted_bytes=predicted,
+        vmem_limit_bytes=res.vmem_limit_bytes, vmem_reported_bytes=res.vmem_reported_bytes,
+        message=res.message, backend=backend, search=search, seed=seed,
+        evaluator_version=ev_version, device_kind=res.device_kind,
+        timestamp=_dt.datetime.now(_dt.timezone.utc), sweep_id=sweep_id, config_id=config)
+    for k in ("jax_version", "jaxlib_version", "libtpu_version", "rpa_tune_version", "kernel_hash",
+              "kernel_source_hash", "git_sha"):
+        r[k] = prov.get(k)
+    if r["status"] != base.OK:
+        r["metric"] = None    # only ok rows carry a metric: nothing else can win
+    return r
+
+
+def _method(backend: str) -> str:
+    return {"compile": "estimate", "tpu": "measured", "interpret": "correctness"}.get(backend, "")

@@ -1,0 +1,199 @@
+"""The evaluator interface: one ``Task`` (a config on a problem) in, one ``EvalResult`` out.
+
+Evaluators run inside worker subprocesses (``rpa_tune.worker``); a task and its result
+cross the process boundary as JSON. Statuses:
+
+* ``ok``: evaluated; ``metric`` holds seconds (``compile``/``tpu``) or is empty
+  (``interpret``: correctness only).
+* ``vmem_oom``: the compiler rejected the config for VMEM (bytes parsed from its message).
+* ``compile_error``: any other lowering / compile failure.
+* ``timeout``: the evaluation exceeded ``--timeout`` (the worker was killed).
+* ``wrong_result``: the output differs from the reference; such a config never wins.
+* ``crash``: the worker process died (e.g. a libtpu CHECK failure), or the static
+  profiler crashed on a config that compiles.
+"""
+from __future__ import annotations
+
+import abc
+import dataclasses
+import importlib
+import math
+import os
+
+from kernel.config import BlockSizes, Case
+from kernel.workload import ModelShape, ServingLimits, Workload
+
+OK, VMEM_OOM, COMPILE_ERROR, TIMEOUT, WRONG_RESULT, CRASH = (
+    "ok", "vmem_oom", "compile_error", "timeout", "wrong_result", "crash")
+STATUSES = (OK, VMEM_OOM, COMPILE_ERROR, TIMEOUT, WRONG_RESULT, CRASH)
+BACKENDS = ("tpu", "compile", "interpret")
+
+# Test-only hook: "module:callable" returning an Evaluator, used by workers instead of
+# the named backend (tests inject fakes that crash, hang or corrupt outputs).
+EVALUATOR_OVERRIDE_ENV = "RPA_TUNE_EVALUATOR_OVERRIDE"
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+    """One evaluation request (JSON-serialisable)."""
+
+    backend: str
+    generation: str
+    case: str
+    model: ModelShape
+    limits: ServingLimits
+    workload: Workload
+    bs: BlockSizes
+    timeout: float = 600.0
+    seed: int = 0
+    vmem_predicted_bytes: int | None = None
+
+    def to_json(self) -> dict:
+        return dict(backend=self.backend, generation=self.generation, case=self.case,
+                    model=dataclasses.asdict(self.model), limits=dataclasses.asdict(self.limits),
+                    workload=dict(q_lens=list(self.workload.q_lens), kv_lens=list(self.workload.kv_lens),
+                                  distribution=list(self.workload.distribution)),
+                    bs=list(self.bs), timeout=self.timeout, seed=self.seed,
+                    vmem_predicted_bytes=self.vmem_predicted_bytes)
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Task":
+        w = d["workload"]
+        return cls(backend=d["backend"], generation=d["generation"], case=Case.parse(d["case"]).value,
+                   model=ModelShape(**d["model"]), limits=ServingLimits(**d["limits"]),
+                   workload=Workload(tuple(w["q_lens"]), tuple(w["kv_lens"]), tuple(w["distribution"])),
+                   bs=BlockSizes(*d["bs"]), timeout=float(d["timeout"]), seed=int(d["seed"]),
+                   vmem_predicted_bytes=d.get("vmem_predicted_bytes"))
+
+
+@dataclasses.dataclass
+class EvalResult:
+    status: str
+    method: str                             # "estimate" | "measured" | "correctness"
+    metric: float | None = None             # seconds, lower is better
+    unit: str = "s"
+    cycles: float | None = None
+    estimate_s: float | None = None
+    memory_bound_s: float | None = None
+    compute_bound_s: float | None = None
+    active_bound: str | None = None
+    samples: int | None = None
+    spread: float | None = None             # relative spread of the samples (IQR / median)
+    compile_s: float | None = None
+    vmem_limit_bytes: int | None = None
+    vmem_reported_bytes: int | None = None  # bytes the compiler reported (OOM messages)
+    device_kind: str | None = None
+    message: str = ""
+
+    def __post_init__(self):
+        if self.status not in STATUSES:
+            raise ValueError(f"unknown status {self.status!r}; valid: {STATUSES}")
+        if self.metric is not None and not math.isfinite(self.metric):
+            self.metric = None
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict) -> "EvalResult":
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
+class Evaluator(abc.ABC):
+    """Evaluates one config. Implementations must classify their own failures into a
+    status; anything they raise is recorded as ``compile_error`` by the worker, and a
+    process death as ``crash`` by the engine."""
+
+    name: str = ""
+    method: str = ""
+    version: str = "1"   # bump when the evaluator's semantics change (part of config_id)
+
+    @abc.abstractmethod
+    def evaluate(self, task: Task) -> EvalResult: ...
+
+
+_LIBTPU_QUIET = {"TPU_WORKER_HOSTNAMES": "localhost", "TF_CPP_MIN_LOG_LEVEL": "3",
+                 "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
+
+
+def worker_env(backend: str, base: dict | None = None) -> dict:
+    """The environment of a worker process for ``backend`` (set before JAX loads).
+
+    compile / interpret: JAX on CPU (libtpu still compiles deviceless), parallel libtpu
+    loads allowed, and no persistent compilation cache: a cache hit would skip the
+    compile whose static profile and VMEM verdict the compile backend needs.
+    tpu: JAX picks the TPU; the persistent compilation cache is on (``$JAX_COMPILATION_CACHE_DIR``
+    or ``~/.cache/rpa-tune/jax``) so re-runs do not recompile.
+    """
+    env = dict(os.environ if base is None else base)
+    if backend in ("compile", "interpret"):
+        env.update(_LIBTPU_QUIET)
+        env["JAX_PLATFORMS"] = "cpu"
+        env.pop("JAX_COMPILATION_CACHE_DIR", None)
+        env["JAX_ENABLE_COMPILATION_CACHE"] = "false"
+    elif backend == "tpu":
+        env.pop("JAX_PLATFORMS", None)
+        env.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+        env.setdefault("JAX_COMPILATION_CACHE_DIR", compilation_cache_dir())
+    return env
+
+
+def compilation_cache_dir() -> str:
+    return os.environ.get("JAX_COMPILATION_CACHE_DIR") or os.path.join(
+        os.path.expanduser("~"), ".cache", "rpa-tune", "jax")
+
+
+# ------------------------------------------------------------------ VMEM limit policy
+def initial_vmem_limit(predicted_bytes: int, capacity: int) -> int:
+    """The scoped VMEM limit first requested for a config: the kernel's own default for
+    its predicted scratch (``kernel.vmem.default_vmem_limit``), i.e. what the kernel uses
+    when a table gives no limit."""
+    from kernel.vmem import default_vmem_limit
+    return int(default_vmem_limit(int(predicted_bytes), int(capacity)))
+
+
+def raised_vmem_limit(reported_bytes: int, current_limit: int, capacity: int) -> int | None:
+    """A larger limit to retry with after a scoped-limit OOM that reported
+    ``reported_bytes``: 5% + 1 MiB headroom, MiB-aligned, at most the chip's capacity
+    (measured here: the compiler accepts limits up to the capacity and fails with
+    "Ran out of memory in memory space vmem" only when the kernel's own use exceeds it).
+    None when no larger limit can help."""
+    mib = 1 << 20
+    want = -(-int(reported_bytes * 1.05 + mib) // mib) * mib
+    want = min(want, int(capacity))
+    return want if want > current_limit and reported_bytes <= capacity else None
+
+
+# --------------------------------------------------------------------- registry
+def get_evaluator(backend: str) -> Evaluator:
+    override = os.environ.get(EVALUATOR_OVERRIDE_ENV)
+    if override:
+        mod, _, attr = override.partition(":")
+        return getattr(importlib.import_module(mod), attr or "make_evaluator")(backend)
+    if backend == "compile":
+        from .compile import CompileEvaluator
+        return CompileEvaluator()
+    if backend == "interpret":
+        from .interpret import InterpretEvaluator
+        return InterpretEvaluator()
+    if backend == "tpu":
+        from .tpu import TpuEvaluator
+        return TpuEvaluator()
+    raise ValueError(f"unknown backend {backend!r}; valid: {BACKENDS}")
+
+
+def evaluator_version(backend: str) -> str:
+    """Version string of a backend's evaluator without instantiating heavy state."""
+    override = os.environ.get(EVALUATOR_OVERRIDE_ENV)
+    if override:
+        return "override:" + override
+    if backend == "compile":
+        from .compile import CompileEvaluator as E
+    elif backend == "interpret":
+        from .interpret import InterpretEvaluator as E
+    elif backend == "tpu":
+        from .tpu import TpuEvaluator as E
+    else:
+        raise ValueError(f"unknown backend {backend!r}; valid: {BACKENDS}")
+    return f"{E.name}-{E.version}"

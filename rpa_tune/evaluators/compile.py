@@ -1,0 +1,154 @@
+"""``compile`` backend: deviceless libtpu compile for the target generation + static estimate.
+
+Per config:
+
+1. ``kernel.analysis.estimate`` compiles the case's kernel with the workload's metadata
+   visible to libtpu's static profiler (in its own child process, with the profiler
+   flag). The compiler's verdict decides VMEM feasibility.
+2. The scoped VMEM limit starts at the kernel's default for the predicted scratch
+   (``base.initial_vmem_limit``); when the compiler reports a scoped-limit OOM, the
+   config is compiled once more with a limit raised to what it reported (capped at the
+   chip's capacity). The row records the limit used and the bytes the compiler reported.
+3. The metric is ``kernel.metrics.summarize(cycles, ...)["time_s"]``: the larger of the
+   cycle estimate (converted with the derived clock) and the bytes/bandwidth and
+   FLOPs/peak bounds from JAX's TPU info; ``active_bound`` says which one it is.
+4. When the static profiler crashes (a libtpu abort in the child), the config is
+   compiled without the profiler in this worker to still get the VMEM verdict: a VMEM
+   OOM or compile error is recorded as such, a config that compiles as ``crash``.
+"""
+from __future__ import annotations
+
+import time
+
+from kernel.config import get_generation
+
+from . import base
+from .base import EvalResult, Evaluator, Task
+
+
+class CompileEvaluator(Evaluator):
+    name = "compile"
+    method = "estimate"
+    version = "1"
+
+    def __init__(self, *, profile: bool = True):
+        self.profile = profile   # False: VMEM verdict only (plain compile, no estimate)
+
+    def evaluate(self, task: Task) -> EvalResult:
+        from kernel.hardware import tpu_info
+        from .. import prefilter
+
+        deadline = time.monotonic() + task.timeout
+        cap = int(tpu_info(task.generation).vmem_capacity_bytes)
+        predicted = task.vmem_predicted_bytes
+        if predicted is None:
+            predicted = prefilter.predicted_bytes(task.model, task.limits, task.bs)
+        limit = base.initial_vmem_limit(predicted, cap)
+        kind = f"deviceless {get_generation(task.generation).device_kind}"
+        notes = []
+        compile_fn = self._estimate if self.profile else self._plain_compile
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 1:
+                return EvalResult(base.TIMEOUT, self.method, vmem_limit_bytes=limit, device_kind=kind,
+                                  message="; ".join(notes + [f"no time left within {task.timeout:.0f} s"]))
+            r = compile_fn(task, limit, remaining)
+            vm = r.get("vmem") or {}
+            if r["status"] == base.VMEM_OOM and vm.get("kind") == "scoped_limit":
+                new = base.raised_vmem_limit(vm["used_bytes"], limit, cap)
+                if new is not None:
+                    notes.append(f"scoped OOM at limit {limit} (used {vm['used_bytes']}): retried with {new}")
+                    limit = new
+                    continue
+            break
+        compile_s = (r.get("lower_s") or 0.0) + (r.get("compile_s") or 0.0) or None
+        common = dict(vmem_limit_bytes=limit, device_kind=kind, compile_s=compile_s)
+        status = r["status"]
+        if status == "ok" and not self.profile:
+            return EvalResult(base.OK, "compile", message="; ".join(notes), **common)
+        if status == "ok":
+            cycles = r.get("cycles") or 0
+            if cycles <= 0:
+                return EvalResult(base.CRASH, self.method, **common, message="; ".join(
+                    notes + ["static profiler gave no estimate for the kernel"]))
+            from kernel import metrics
+            s = metrics.summarize(cycles, task.workload, task.model, task.generation, task.case)
+            return EvalResult(base.OK, self.method, metric=s["time_s"], cycles=float(cycles),
+                              estimate_s=s["estimate_s"], memory_bound_s=s["memory_bound_s"],
+                              compute_bound_s=s["compute_bound_s"], active_bound=s["active_bound"],
+                              samples=1, message="; ".join(notes), **common)
+        if status == base.VMEM_OOM:
+            return EvalResult(base.VMEM_OOM, self.method, vmem_reported_bytes=vm.get("used_bytes"),
+                              message="; ".join(notes + [f"{vm.get('kind')}: used {vm.get('used_bytes')} "
+                                                         f"of {vm.get('limit_bytes')}"]), **common)
+        if status == "timeout":
+            return EvalResult(base.TIMEOUT, self.method, message="; ".join(notes + [r.get("message", "")]),
+                              **common)
+        if status == "crash" and self.profile:
+            return self._after_profiler_crash(task, limit, deadline, r, notes, common)
+        return EvalResult(base.COMPILE_ERROR if status != "crash" else base.CRASH, self.method,
+                          message="; ".join(notes + [_tail(r.get("message", ""))]), **common)
+
+    # -- steps ----------------------------------------------------------------------
+    def _estimate(self, task: Task, limit: int, remaining: float) -> dict:
+        from kernel import analysis
+        return analysis.estimate(task.workload, task.bs, task.generation, task.model, task.limits,
+                                 task.case, timeout=remaining, vmem_limit_bytes=limit)
+
+    def _plain_compile(self, task: Task, limit: int, remaining: float) -> dict:
+        """Compile in this process without the profiler: the VMEM / compile verdict only.
+        (The engine's worker timeout bounds it.)"""
+        from kernel import analysis
+        t0 = time.perf_counter()
+        try:
+            lowered = analysis.lower_for_estimate(task.workload, task.bs, task.generation, task.model,
+                                                  task.limits, task.case, vmem_limit_bytes=limit)
+        except Exception as e:  # noqa: BLE001 - classified below
+            return {"status": base.COMPILE_ERROR, "message": f"lowering failed: {type(e).__name__}: {e}"}
+        t1 = time.perf_counter()
+        try:
+            lowered.compile()
+        except Exception as e:  # noqa: BLE001
+            msg = str(e)
+            oom = analysis.parse_vmem_oom(msg)
+            return {"status": base.VMEM_OOM if oom else base.COMPILE_ERROR, "vmem": oom,
+                    "message": msg[-2000:], "lower_s": t1 - t0, "compile_s": time.perf_counter() - t1}
+        return {"status": "ok", "lower_s": t1 - t0, "compile_s": time.perf_counter() - t1}
+
+    def _after_profiler_crash(self, task, limit, deadline, crashed: dict, notes, common) -> EvalResult:
+        """The profiler aborted: get the compiler's verdict from a plain compile instead."""
+        from kernel.hardware import tpu_info
+        why = "static profiler crashed: " + _tail(crashed.get("message", ""), 600)
+        cap = int(tpu_info(task.generation).vmem_capacity_bytes)
+        r: dict = {"status": base.TIMEOUT}
+        while deadline - time.monotonic() > 1:
+            r = self._plain_compile(task, limit, deadline - time.monotonic())
+            vm = r.get("vmem") or {}
+            new = (base.raised_vmem_limit(vm.get("used_bytes", 0), limit, cap)
+                   if r["status"] == base.VMEM_OOM and vm.get("kind") == "scoped_limit" else None)
+            if new is None:
+                break
+            notes.append(f"scoped OOM at limit {limit} (used {vm['used_bytes']}): retried with {new}")
+            limit = new
+        common = dict(common, vmem_limit_bytes=limit,
+                      compile_s=(r.get("lower_s") or 0.0) + (r.get("compile_s") or 0.0) or None)
+        if r["status"] == base.VMEM_OOM:
+            vm = r.get("vmem") or {}
+            return EvalResult(base.VMEM_OOM, self.method, vmem_reported_bytes=vm.get("used_bytes"),
+                              message="; ".join(notes + [f"{vm.get('kind')}: used {vm.get('used_bytes')} of "
+                                                         f"{vm.get('limit_bytes')} (plain compile after a "
+                                                         "profiler crash)"]), **common)
+        if r["status"] == base.COMPILE_ERROR:
+            return EvalResult(base.COMPILE_ERROR, self.method,
+                              message="; ".join(notes + [_tail(r.get("message", ""))]), **common)
+        if r["status"] == base.TIMEOUT:
+            return EvalResult(base.CRASH, self.method, message="; ".join(notes + [why]), **common)
+        return EvalResult(base.CRASH, self.method, message="; ".join(
+            notes + [why + " (the config compiles without the profiler: VMEM fits)"]), **common)
+
+
+def _tail(text: str, n: int = 1200) -> str:
+    lines = [l for l in str(text).strip().splitlines() if l.strip()]
+    # keep the informative end of libtpu / Python error output
+    text = " | ".join(lines[-8:])
+    return text[-n:]

@@ -1,0 +1,493 @@
+"""``rpa-tune export`` / ``diff``: bake sweep results into versioned tables (``kernel.tables``).
+
+Selection, per ``TuningKey`` (all rules deterministic: the same results give byte-identical
+files, whatever the order of rows or files):
+
+1. Rows are read from every ``*.parquet`` under each ``--results`` path (several sweeps or
+   machines merge by concatenation; exact duplicate rows are dropped).
+2. A configuration (bq, bkv, cq, ckv) is *disqualified* for the key if any row for it says
+   ``wrong_result``, ``vmem_oom`` or ``compile_error``. ``timeout`` / ``crash`` rows are
+   infrastructure failures and disqualify nothing.
+3. ``ok`` rows with a positive metric form *comparison groups* (method, kernel_hash,
+   workload_id): numbers are only compared within one group. The group used is the
+   ``measured`` one if any (a device measurement beats a compiler estimate), then the one
+   with the most recent row, then the one with more configurations.
+4. Within the group, repeated rows of one configuration are merged: metric = median,
+   samples = sum, spread = max(row spreads, max - min of the row metrics). The best
+   configuration has the lowest metric (ties: smaller block sizes).
+5. The heuristic's configuration for the key (``kernel.heuristics``, as a call without
+   ``chunk_prefill_size`` resolves it) is looked up in the same group (if absent, the one
+   configuration the sweep flagged ``is_heuristic``); ``gain = heuristic_metric /
+   best_metric - 1``. The entry is *promoted*
+   (used by the kernel) only if ``gain > margin``:
+
+   * ``estimate``: margin ``ESTIMATE_MIN_GAIN`` = 2 %. The compiler estimate is
+     deterministic (re-compiling gives the same cycles, spread 0), so the margin is not
+     noise but model fidelity: the static profiler costs per-step fixed overheads (DMA
+     issue, semaphore waits, loop prologues) by its own model, and differences of a few
+     percent are of that order; below 2 % we keep the heuristic, which also avoids
+     churning the tables on near-ties.
+   * ``measured``: margin = max(``MEASURED_MIN_GAIN`` = 1 %, 2 x the larger relative
+     spread (spread / metric) of the best and the heuristic configuration): a gain that
+     does not clear twice the run-to-run spread is not distinguishable from noise.
+
+   No heuristic row in the group: not promoted (``heuristic_metric = null``, the decision
+   says so). Heuristic configuration disqualified (e.g. ``vmem_oom``): the best is
+   promoted whatever the gain (the heuristic would not work for this key).
+   Non-promoted keys are still written (``promoted: false``): they stop the lookup's
+   bucketing rule from borrowing a neighbouring bucket's sizes for a key where the
+   heuristic was found as good.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+from pathlib import Path
+from typing import Iterable
+
+from kernel.config import BlockSizes, Case, TuningKey, get_generation
+from kernel.tables import Entry, Table, TableError, PROVENANCE_FIELDS, SCHEMA_VERSION
+
+ESTIMATE_MIN_GAIN = 0.02
+MEASURED_MIN_GAIN = 0.01
+MEASURED_SPREAD_FACTOR = 2.0
+DISQUALIFYING = ("wrong_result", "vmem_oom", "compile_error")
+KEY_COLUMNS = tuple(f.name for f in dataclasses.fields(TuningKey))
+REQUIRED_COLUMNS = KEY_COLUMNS + ("bq", "bkv", "cq", "ckv", "status", "metric", "method")
+OPTIONAL_COLUMNS = ("unit", "samples", "spread", "cycles", "compile_s", "backend", "search", "seed",
+                    "jax_version", "jaxlib_version", "libtpu_version", "device_kind", "kernel_hash",
+                    "git_sha", "timestamp", "config_id", "workload_id", "key_id", "kernel_source_hash",
+                    "vmem_limit_bytes", "is_heuristic")
+
+
+# ----------------------------------------------------------------------------- reading
+def result_files(paths: Iterable) -> list[Path]:
+    files = []
+    for p in paths:
+        p = Path(p)
+        if p.is_dir():   # dot-directories (a store's .tmp/) hold unfinished files
+            files.extend(sorted(f for f in p.rglob("*.parquet") if f.is_file()
+                                and not any(part.startswith(".") for part in f.relative_to(p).parts)))
+        elif p.is_file():
+            files.append(p)
+        else:
+            raise FileNotFoundError(f"results path {p} does not exist")
+    return files
+
+
+def read_results(paths: Iterable):
+    """All result rows as a pandas DataFrame (missing optional columns filled with None)."""
+    import pandas as pd
+    import pyarrow.parquet as pq
+    frames = []
+    for f in result_files(paths):
+        try:
+            frames.append(pq.read_table(f).to_pandas())
+        except Exception as e:  # noqa: BLE001
+            raise ValueError(f"cannot read results file {f}: {e}") from None
+    if not frames:
+        return pd.DataFrame(columns=list(REQUIRED_COLUMNS + OPTIONAL_COLUMNS))
+    return normalize_results(pd.concat(frames, ignore_index=True, sort=False))
+
+
+def normalize_results(df):
+    """Check required columns, add missing optional ones, None for missing values,
+    ISO-8601 timestamps, exact duplicate rows dropped."""
+    missing = [c for c in REQUIRED_COLUMNS if c not in df.columns]
+    if missing:
+        raise ValueError(f"results lack required columns {missing}")
+    for c in OPTIONAL_COLUMNS:
+        if c not in df.columns:
+            df[c] = None
+    df = df.astype(object).where(df.notna(), None)
+    df["timestamp"] = [_iso(v) for v in df["timestamp"]]
+    df = df.drop_duplicates(ignore_index=True)
+    return df
+
+
+def _iso(v) -> str | None:
+    """Timestamps as ISO-8601 UTC strings (accepts strings, datetimes, epoch seconds)."""
+    import pandas as pd
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return None
+    try:
+        if isinstance(v, (int, float)):
+            ts = pd.Timestamp(float(v), unit="s", tz="UTC")
+        else:
+            ts = pd.Timestamp(v)
+            ts = ts.tz_localize("UTC") if ts.tzinfo is None else ts.tz_convert("UTC")
+        return ts.strftime("%Y-%m-%dT%H:%M:%SZ")
+    except Exception:  # noqa: BLE001 - keep whatever the sweep wrote
+        return str(v)
+
+
+def _clean(v):
+    if v is None:
+        return None
+    if isinstance(v, float) and math.isnan(v):
+        return None
+    if hasattr(v, "item"):
+        v = v.item()
+    return v
+
+
+def _str(v):
+    v = _clean(v)
+    return None if v is None else str(v)
+
+
+def _int(v):
+    v = _clean(v)
+    if v is None:
+        return None
+    try:
+        return int(v)
+    except (TypeError, ValueError):
+        return None
+
+
+# --------------------------------------------------------------------------- selection
+@dataclasses.dataclass
+class ConfigStats:
+    bs: BlockSizes
+    metric: float
+    samples: int
+    spread: float
+    rows: list
+
+
+@dataclasses.dataclass
+class KeyReport:
+    key: TuningKey
+    entry: Entry | None
+    note: str
+
+
+def heuristic_for(key: TuningKey) -> BlockSizes:
+    from kernel.api import kv_bytes_per_token
+    from kernel.heuristics import heuristic_block_sizes
+    dims = dict(num_kv_heads=key.num_kv_heads, head_dim=key.head_dim, kv_dtype=key.kv_dtype)
+    return heuristic_block_sizes(
+        Case.parse(key.case), generation=key.generation, num_q_heads=key.num_q_heads,
+        num_kv_heads=key.num_kv_heads, head_dim=key.head_dim, page_size=key.page_size,
+        kv_bytes_per_token=kv_bytes_per_token(dims), max_num_tokens=key.max_num_tokens,
+        max_model_len=key.max_model_len, q_dtype=key.q_dtype, kv_dtype=key.kv_dtype)
+
+
+def _row_key(r) -> TuningKey:
+    return TuningKey(**{c: _clean(r[c]) for c in KEY_COLUMNS})
+
+
+def _row_bs(r) -> BlockSizes:
+    return BlockSizes(*(int(r[c]) for c in ("bq", "bkv", "cq", "ckv")))
+
+
+def _aggregate(rows: list[dict]) -> dict[BlockSizes, ConfigStats]:
+    by: dict[BlockSizes, list] = {}
+    for r in rows:
+        by.setdefault(_row_bs(r), []).append(r)
+    out = {}
+    for bs, rs in by.items():
+        ms = sorted(float(r["metric"]) for r in rs)
+        n = len(ms)
+        med = ms[n // 2] if n % 2 else 0.5 * (ms[n // 2 - 1] + ms[n // 2])
+        spreads = [float(_clean(r.get("spread")) or 0.0) for r in rs]
+        spread = max(max(spreads), ms[-1] - ms[0])
+        samples = sum(_int(r.get("samples")) or 1 for r in rs)
+        out[bs] = ConfigStats(bs, med, samples, spread, _recent_first(rs))
+    return out
+
+
+def _recent_first(rows: list[dict]) -> list[dict]:
+    """Most recent timestamp first (missing last); ties in a total order on all fields."""
+    rows = sorted(rows, key=lambda r: repr(sorted((k, repr(v)) for k, v in r.items())))
+    return sorted(rows, key=lambda r: r.get("timestamp") or "", reverse=True)
+
+
+def _margin(method: str, best: ConfigStats, heur: ConfigStats | None) -> float:
+    if method == "estimate":
+        return ESTIMATE_MIN_GAIN
+    rel = [s.spread / s.metric for s in (best, heur) if s is not None and s.metric > 0]
+    return max(MEASURED_MIN_GAIN, MEASURED_SPREAD_FACTOR * max(rel + [0.0]))
+
+
+def select_key(key: TuningKey, rows: list[dict]) -> KeyReport:
+    """The table entry for one key from its result rows (see the module docstring)."""
+    disq: dict[BlockSizes, str] = {}
+    for r in rows:
+        st = _str(r.get("status"))
+        if st in DISQUALIFYING:
+            bs = _row_bs(r)
+            disq.setdefault(bs, st)
+    ok = [r for r in rows if _str(r.get("status")) == "ok" and _str(r.get("method")) in ("estimate", "measured")
+          and _clean(r.get("metric")) is not None and math.isfinite(float(r["metric"]))
+          and float(r["metric"]) > 0]
+    if not ok:
+        return KeyReport(key, None, "no ok rows with a metric")
+    groups: dict[tuple, list] = {}
+    for r in ok:
+        groups.setdefault((_str(r["method"]), _str(r.get("kernel_hash")) or "",
+                           _str(r.get("workload_id")) or ""), []).append(r)
+
+    def group_rank(item):
+        (method, khash, wid), rs = item
+        latest = max((r.get("timestamp") or "") for r in rs)
+        nconf = len({_row_bs(r) for r in rs})
+        return (method == "measured", latest, nconf, khash, wid)
+
+    (method, khash, wid), grows = max(groups.items(), key=group_rank)
+    stats = _aggregate(grows)
+    cands = {bs: s for bs, s in stats.items() if bs not in disq}
+    if not cands:
+        return KeyReport(key, None, "every ok configuration is disqualified by another row "
+                                    f"({', '.join(sorted(set(disq.values())))})")
+    best = min(cands.values(), key=lambda s: (s.metric, tuple(s.bs)))
+    try:
+        hbs = heuristic_for(key)
+    except Exception:  # noqa: BLE001 - a key the heuristic cannot handle has no baseline
+        hbs = None
+    heur = stats.get(hbs) if hbs is not None else None
+    if heur is None:
+        # the sweep's own baseline (e.g. the heuristic for the workload's prefill chunk)
+        flagged = sorted({_row_bs(r) for r in grows if r.get("is_heuristic") is True} - set(disq))
+        if len(flagged) == 1 and flagged[0] in stats:
+            hbs, heur = flagged[0], stats[flagged[0]]
+    all_key_configs = {_row_bs(r) for r in rows
+                       if (_str(r.get("kernel_hash")) or "") == khash and (_str(r.get("workload_id")) or "") == wid}
+    margin = _margin(method, best, heur if hbs not in disq else None)
+    gain = None
+    if hbs is not None and hbs in disq:
+        promoted = True
+        decision = (f"promoted: the heuristic {tuple(hbs)} failed for this key ({disq[hbs]})")
+        heur_metric = None
+    elif heur is None:
+        promoted = False
+        heur_metric = None
+        decision = (f"not promoted: no heuristic baseline {tuple(hbs) if hbs else '(none)'} in the "
+                    f"results (method {method}); evaluate it to allow promotion")
+    else:
+        heur_metric = heur.metric
+        gain = round(heur.metric / best.metric - 1.0, 6)
+        if best.bs == hbs:
+            promoted = False
+            decision = "not promoted: the heuristic is the best configuration found"
+        elif gain > margin:
+            promoted = True
+            decision = f"promoted: gain {gain:.2%} > margin {margin:.2%} ({method})"
+        else:
+            promoted = False
+            decision = f"not promoted: gain {gain:.2%} <= margin {margin:.2%} ({method})"
+    rep = best.rows[0]
+    prov = {k: None for k in PROVENANCE_FIELDS}
+    for k in ("jax_version", "jaxlib_version", "libtpu_version", "git_sha", "search",
+              "backend", "device_kind", "config_id", "workload_id"):
+        prov[k] = _str(rep.get(k))
+    # the hash the kernel checks tables against (kernel.tables.kernel_source_hash); older
+    # stores only have the sweep's own kernel_hash
+    prov["kernel_hash"] = _str(rep.get("kernel_source_hash")) or _str(rep.get("kernel_hash"))
+    prov["date"] = _str(rep.get("timestamp"))
+    prov["seed"] = _int(rep.get("seed"))
+    prov["budget"] = len(all_key_configs)
+    spread = float(best.spread)
+    vmem_limit = _entry_vmem_limit(key, best.bs, _int(rep.get("vmem_limit_bytes")))
+    entry = Entry(key=key, block_sizes=best.bs, promoted=promoted, decision=decision,
+                  metric=float(best.metric), unit=_str(rep.get("unit")) or "s", method=method,
+                  heuristic_block_sizes=hbs, heuristic_metric=heur_metric, gain=gain,
+                  margin=round(margin, 6), samples=int(best.samples), spread=spread,
+                  vmem_limit_bytes=vmem_limit, provenance=prov)
+    entry.check()
+    return KeyReport(key, entry, decision)
+
+
+def _entry_vmem_limit(key: TuningKey, bs: BlockSizes, evaluated: int | None) -> int | None:
+    """The scoped VMEM limit to record: the one the winning row was evaluated with, when
+    it differs from the kernel's default for these block sizes (e.g. the sweep raised it
+    after a scoped-limit OOM); None when the default is what was evaluated."""
+    if evaluated is None:
+        return None
+    from kernel.api import default_case_vmem_limit
+    default = default_case_vmem_limit(bs, generation=key.generation, num_q_heads=key.num_q_heads,
+                                      num_kv_heads=key.num_kv_heads, head_dim=key.head_dim,
+                                      page_size=key.page_size, q_dtype=key.q_dtype, kv_dtype=key.kv_dtype)
+    return None if evaluated == default else int(evaluated)
+
+
+def build_tables(df) -> tuple[dict[str, Table], list[KeyReport]]:
+    """Tables per generation from a results DataFrame, and a report per key."""
+    by_key: dict[TuningKey, list] = {}
+    bad = 0
+    for r in df.to_dict("records"):
+        try:
+            k = _row_key(r)
+            _row_bs(r)
+        except (TypeError, ValueError):
+            bad += 1
+            continue
+        by_key.setdefault(k, []).append(r)
+    reports = [select_key(k, rows) for k, rows in sorted(by_key.items())]
+    per_gen: dict[str, list[Entry]] = {}
+    for rep in reports:
+        if rep.entry is not None:
+            per_gen.setdefault(rep.key.generation, []).append(rep.entry)
+    tables = {g: Table(tuple(es), info=table_info(g)) for g, es in sorted(per_gen.items())}
+    if bad:
+        reports.append(KeyReport(None, None, f"{bad} result rows with an invalid key or block sizes skipped"))
+    return tables, reports
+
+
+def table_info(generation: str) -> dict:
+    return {
+        "generated_by": "rpa-tune export",
+        "generation": generation,
+        "device_kind": get_generation(generation).device_kind,
+        "promotion": {
+            "estimate_min_gain": ESTIMATE_MIN_GAIN,
+            "measured_min_gain": MEASURED_MIN_GAIN,
+            "measured_spread_factor": MEASURED_SPREAD_FACTOR,
+            "rule": "promote iff heuristic_metric / metric - 1 > margin; no heuristic baseline: not promoted",
+        },
+        "schema_version": SCHEMA_VERSION,
+    }
+
+
+# ------------------------------------------------------------------------ write / check
+def planned_files(tables: dict[str, Table]) -> dict[str, bytes]:
+    """File name -> bytes for every table (``<generation>.json`` and ``.parquet``)."""
+    out = {}
+    for g, t in tables.items():
+        out[f"{g}.json"] = t.to_json_text().encode()
+        out[f"{g}.parquet"] = t.to_parquet_bytes()
+    return out
+
+
+def write_tables(tables: dict[str, Table], out_dir) -> list[Path]:
+    out_dir = Path(out_dir)
+    written = []
+    for name, data in planned_files(tables).items():
+        p = out_dir / name
+        if p.exists() and p.read_bytes() == data:
+            written.append(p)
+            continue
+        tmp = p.with_name(f".{p.name}.tmp")
+        out_dir.mkdir(parents=True, exist_ok=True)
+        tmp.write_bytes(data)
+        tmp.replace(p)
+        written.append(p)
+    return written
+
+
+@dataclasses.dataclass
+class CheckProblem:
+    file: str
+    problem: str
+    diff: str = ""
+
+
+def check_tables(tables: dict[str, Table], out_dir, *, max_diff_lines: int = 200) -> list[CheckProblem]:
+    """Stale / missing committed tables compared with what ``tables`` would write.
+
+    JSON must match byte for byte (it is canonical); the Parquet mirror must hold the same
+    table (compared by content, since Parquet bytes depend on the pyarrow version)."""
+    out_dir = Path(out_dir)
+    problems = []
+    for g, t in tables.items():
+        jp, pp = out_dir / f"{g}.json", out_dir / f"{g}.parquet"
+        want = t.to_json_text()
+        if not jp.exists():
+            problems.append(CheckProblem(str(jp), "missing"))
+        else:
+            have = jp.read_text()
+            if have != want:
+                diff = "".join(difflib.unified_diff(have.splitlines(True), want.splitlines(True),
+                                                    f"{jp} (committed)", f"{jp} (from results)", n=2))
+                lines = diff.splitlines(True)
+                if len(lines) > max_diff_lines:
+                    diff = "".join(lines[:max_diff_lines]) + f"... ({len(lines) - max_diff_lines} more lines)\n"
+                problems.append(CheckProblem(str(jp), "stale", diff))
+        if not pp.exists():
+            problems.append(CheckProblem(str(pp), "missing"))
+        else:
+            try:
+                if Table.read_parquet(pp) != t:
+                    problems.append(CheckProblem(str(pp), "stale (Parquet mirror differs from the table)"))
+            except TableError as e:
+                problems.append(CheckProblem(str(pp), f"unreadable: {e}"))
+    return problems
+
+
+# ---------------------------------------------------------------------------------- diff
+@dataclasses.dataclass
+class DiffRow:
+    change: str                # added / removed / changed
+    key: TuningKey
+    old: Entry | None
+    new: Entry | None
+
+    @property
+    def metric_change(self) -> float | None:
+        if self.old is None or self.new is None or not self.old.metric:
+            return None
+        return self.new.metric / self.old.metric - 1.0
+
+
+def load_table_path(path) -> Table:
+    """One table from a file, or all ``*.json`` tables in a directory merged."""
+    p = Path(path)
+    if p.is_dir():
+        entries = []
+        for f in sorted(p.glob("*.json")):
+            entries.extend(Table.read(f).entries)
+        return Table(tuple(entries))
+    return Table.read(p)
+
+
+def diff_tables(old: Table, new: Table) -> list[DiffRow]:
+    o, n = old.by_key(), new.by_key()
+    rows = []
+    for k in sorted(set(o) | set(n)):
+        a, b = o.get(k), n.get(k)
+        if a is None:
+            rows.append(DiffRow("added", k, None, b))
+        elif b is None:
+            rows.append(DiffRow("removed", k, a, None))
+        elif a != b:
+            rows.append(DiffRow("changed", k, a, b))
+    return rows
+
+
+def changed_fields(a: Entry, b: Entry) -> list[str]:
+    da, db = a.to_dict(), b.to_dict()
+    out = []
+    for f in da:
+        if f == "provenance":
+            out.extend(f"provenance.{k}" for k in da[f] if da[f].get(k) != db[f].get(k))
+        elif da[f] != db[f]:
+            out.append(f)
+    return out
+
+
+# ------------------------------------------------------------------------------ compact
+def compact_results(directory, name: str = "results.parquet") -> Path:
+    """Merge every top-level ``*.parquet`` of a results directory (one file per evaluation,
+    as ``rpa-tune sweep`` writes them) into ``name``, rows sorted, then remove the merged
+    files. Rows are unchanged, so exports and sweep resumption see the same data."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    d = Path(directory)
+    files = sorted(p for p in d.glob("*.parquet") if p.is_file())
+    if not files:
+        raise FileNotFoundError(f"no Parquet files in {d}")
+    tables = [pq.read_table(p) for p in files]
+    t = pa.concat_tables(tables, promote_options="permissive")
+    order = [(c, "ascending") for c in ("key_id", "config_id", "timestamp") if c in t.column_names]
+    if order:
+        t = t.sort_by(order)
+    out = d / name
+    tmp = d / f".{name}.tmp"
+    pq.write_table(t, tmp, compression="zstd")
+    tmp.replace(out)
+    for p in files:
+        if p != out:
+            p.unlink()
+    return out

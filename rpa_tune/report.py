@@ -1,0 +1,252 @@
+"""Reading results back: winners per key (``show``), interpret checks of winners
+(``verify``) and the environment report (``doctor``). No printing here (see ``ui``)."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import platform
+import time
+import uuid
+
+from kernel.config import BlockSizes, TuningKey
+from kernel.workload import ModelShape, ServingLimits, Workload
+
+from . import provenance
+from .evaluators import base
+from .store import KEY_COLUMNS, ResultStore, config_id
+
+RANKED_BACKENDS = ("tpu", "compile")
+
+
+@dataclasses.dataclass
+class Group:
+    """Results of one (key, workload, backend) evaluated by one kernel version."""
+
+    key: dict
+    key_id: str
+    workload_id: str
+    workload: str
+    backend: str
+    method: str
+    kernel_hash: str
+    stale: bool                 # kernel_hash differs from the current kernel sources
+    counts: dict
+    rows: list                  # ok rows, best first (wrong configs excluded)
+    heuristic: dict | None
+    excluded_wrong: int = 0
+
+    @property
+    def best(self) -> dict | None:
+        return self.rows[0] if self.rows else None
+
+    @property
+    def gain(self) -> float | None:
+        """heuristic metric / best metric (> 1: the tuned config is faster)."""
+        if not self.best or not self.heuristic or not self.heuristic.get("metric"):
+            return None
+        return self.heuristic["metric"] / self.best["metric"]
+
+
+def wrong_configs(df) -> set:
+    """(key_id, bq, bkv, cq, ckv, kernel_hash) of every config seen producing a wrong result."""
+    bad = df[df["status"] == base.WRONG_RESULT]
+    return {(r.key_id, int(r.bq), int(r.bkv), int(r.cq), int(r.ckv), r.kernel_hash) for r in bad.itertuples()}
+
+
+def winners(df, *, tpu=None, case=None, backend=None, top: int = 1) -> list[Group]:
+    if df.empty:
+        return []
+    current = provenance.kernel_hash()
+    wrong = wrong_configs(df)
+    d = df
+    if tpu is not None:
+        d = d[d["generation"] == tpu]
+    if case is not None:
+        d = d[d["case"] == case]
+    d = d[d["backend"] == backend] if backend is not None else d[d["backend"].isin(RANKED_BACKENDS)]
+    if d.empty:
+        return []
+    d = d.sort_values("timestamp").drop_duplicates("config_id", keep="last")
+    groups = []
+    for (key_id, wid, be), g in d.groupby(["key_id", "workload_id", "backend"], sort=True):
+        latest = g.sort_values("timestamp")["kernel_hash"].iloc[-1]
+        g = g[g["kernel_hash"] == latest]
+        counts = g["status"].value_counts().to_dict()
+        ok = g[(g["status"] == base.OK) & g["metric"].notna()]
+        is_wrong = ok.apply(lambda r: (r.key_id, int(r.bq), int(r.bkv), int(r.cq), int(r.ckv), r.kernel_hash)
+                            in wrong, axis=1) if len(ok) else ok["metric"].astype(bool)
+        excluded = int(is_wrong.sum()) if len(ok) else 0
+        ok = ok[~is_wrong] if len(ok) else ok
+        ok = ok.sort_values(["metric", "bq", "bkv", "cq", "ckv"])
+        heur = g[g["is_heuristic"].fillna(False).astype(bool) & (g["status"] == base.OK)]
+        first = g.iloc[-1]
+        groups.append(Group(
+            key={k: _py(first[k]) for k in KEY_COLUMNS}, key_id=key_id, workload_id=wid,
+            workload=str(first["workload"]), backend=be, method=str(first["method"]), kernel_hash=str(latest),
+            stale=latest != current, counts={k: int(v) for k, v in counts.items()},
+            rows=[_row(r) for _, r in ok.head(top).iterrows()],
+            heuristic=_row(heur.iloc[-1]) if len(heur) else None, excluded_wrong=excluded))
+    order = {"v4": 0, "v5e": 1, "v5p": 2, "v6e": 3, "tpu7x": 4}
+    cases = {"decode": 0, "prefill": 1, "mixed": 2}
+    groups.sort(key=lambda g: (order.get(g.key["generation"], 9), cases.get(g.key["case"], 9), g.key_id,
+                               g.backend, g.workload_id))
+    return groups
+
+
+def _py(v):
+    if hasattr(v, "item"):
+        return v.item()
+    return v
+
+
+def _row(r) -> dict:
+    out = {}
+    for k, v in r.items():
+        v = _py(v)
+        if isinstance(v, float) and math.isnan(v):
+            v = None
+        out[k] = v
+    return out
+
+
+# ============================================================================ verify
+def verify_winners(store: ResultStore, *, tpu=None, case=None, top: int = 1, jobs: int = 2,
+                   timeout: float = 900.0, progress=None) -> list[dict]:
+    """Interpret-mode checks of the best ``top`` configs per key; rows are appended to the
+    store (backend ``interpret``) and returned. Configs already checked with the current
+    kernel are not run again."""
+    from .engine import WorkerPool, make_row
+    from .evaluators.base import Task, evaluator_version
+    from .evaluators.interpret import interpret_problem
+    from .workloads import workload_id
+
+    df = store.read()
+    groups = winners(df, tpu=tpu, case=case, top=top)
+    prov = provenance.provenance()
+    ev = evaluator_version("interpret")
+    recorded = store.recorded()
+    todo, out, seen = [], [], set()
+    for g in groups:
+        for r in g.rows:
+            key = TuningKey(**g.key)
+            bs = BlockSizes(int(r["bq"]), int(r["bkv"]), int(r["cq"]), int(r["ckv"]))
+            if (key, bs) in seen:
+                continue
+            seen.add((key, bs))
+            model = ModelShape(key.num_q_heads, key.num_kv_heads, key.head_dim, key.q_dtype, key.kv_dtype)
+            limits = ServingLimits(page_size=key.page_size, max_num_tokens=key.max_num_tokens,
+                                   max_num_seqs=int(r.get("max_num_seqs") or 128), max_model_len=key.max_model_len)
+            task = Task(backend="interpret", generation=key.generation, case=key.case, model=model, limits=limits,
+                        workload=Workload.of_case(key.case, [1], [1]), bs=bs, timeout=timeout, seed=0)
+            small_limits, small_w = interpret_problem(task)
+            task = dataclasses.replace(task, limits=small_limits, workload=small_w)
+            wid = workload_id(small_w)
+            cid = config_id(key.id(), wid, bs, "interpret", prov["kernel_hash"], ev)
+            if cid in recorded:
+                out.append(dict(recorded[cid], verified_for=r.get("config_id")))
+                continue
+            todo.append((task, key, cid, wid, r))
+    if progress is not None:
+        progress.start(len(todo) + len(out))
+        for row in out:
+            progress.advance(row)
+    if todo:
+        sweep_id = uuid.uuid4().hex[:12]
+        pending = list(todo)
+        with WorkerPool("interpret", jobs) as pool:
+            while pending or pool.busy:
+                while pending and pool.free_slots() > 0:
+                    item = pending.pop(0)
+                    pool.submit(item[0], item)
+                for item, task, res, eval_s in pool.wait():
+                    _, key, cid, wid, r = item
+                    row = make_row(key, task.limits, task.workload, "interpret check of " + str(r.get("workload")),
+                                   task.bs, res, backend="interpret", search="verify", seed=0, eval_s=eval_s,
+                                   prov=prov, config=cid, wid=wid, ev_version=ev, sweep_id=sweep_id,
+                                   heuristic=bool(r.get("is_heuristic")), predicted=None)
+                    store.append([row])
+                    row = dict(row, verified_for=r.get("config_id"))
+                    out.append(row)
+                    if progress is not None:
+                        progress.advance(row)
+    if progress is not None:
+        progress.stop()
+    return out
+
+
+# ============================================================================ doctor
+def doctor_report(*, tpu: str = "v6e", quick: bool = False) -> dict:
+    from importlib import metadata
+    from .evaluators.base import compilation_cache_dir
+    from .evaluators.tpu import probe_devices, tpu_generation_present
+
+    def ver(d):
+        try:
+            return metadata.version(d)
+        except metadata.PackageNotFoundError:
+            return None
+
+    rep = {"versions": {"python": platform.python_version(), "jax": ver("jax"), "jaxlib": ver("jaxlib"),
+                        "libtpu": ver("libtpu") or ver("libtpu-nightly"), "rpa-tune": ver("rpa-tune"),
+                        "optuna": ver("optuna"), "pyarrow": ver("pyarrow")},
+           "kernel": {"kernel_hash": provenance.kernel_hash(), "git_sha": provenance.git_sha(),
+                      "kernel_dir": str(provenance.KERNEL_DIR)}}
+    probe = probe_devices()
+    here = tpu_generation_present(probe)
+    rep["devices"] = probe
+    backends = {"tpu": ("works", f"TPU {here} ({probe.get('device_kind')}) x{probe.get('count')}") if here
+                else ("unavailable", "no TPU found" + ("" if probe.get("probed") else
+                                                       " (no /dev/accel* or /dev/vfio device nodes)"))}
+    cache_dir = None
+    try:
+        import jax
+        cache_dir = jax.config.jax_compilation_cache_dir
+    except Exception:  # noqa: BLE001
+        pass
+    rep["compilation_cache"] = {"jax_compilation_cache_dir (this process)": cache_dir or "(not set)",
+                                "tpu backend workers": compilation_cache_dir(),
+                                "compile / interpret workers": "disabled (the estimate needs real compiles)"}
+    if quick:
+        backends["compile"] = ("not checked", "--quick")
+        backends["interpret"] = ("not checked", "--quick")
+    else:
+        backends.update(_trial_runs(tpu))
+    rep["backends"] = backends
+    rep["auto"] = ("tpu" if here == tpu else "compile") + f" (for --tpu {tpu})"
+    return rep
+
+
+def _trial_runs(tpu: str) -> dict:
+    from .engine import WorkerPool
+    from .evaluators.base import Task
+    model = ModelShape(8, 2, 128)
+    out = {}
+    trials = {
+        "compile": Task(backend="compile", generation=tpu, case="decode", model=model,
+                        limits=ServingLimits(page_size=128, max_num_tokens=64, max_num_seqs=8, max_model_len=2048),
+                        workload=Workload.of_case("decode", [1] * 4, [1000] * 2 + [300] * 2),
+                        bs=BlockSizes(1, 256, 1, 128), timeout=300),
+        "interpret": Task(backend="interpret", generation=tpu, case="decode", model=ModelShape(4, 1, 128),
+                          limits=ServingLimits(page_size=16, max_num_tokens=16, max_num_seqs=4, max_model_len=256),
+                          workload=Workload.of_case("decode", [1], [1]), bs=BlockSizes(1, 32, 1, 16), timeout=300),
+    }
+    for name, task in trials.items():
+        t0 = time.monotonic()
+        with WorkerPool(name, 1) as pool:
+            pool.submit(task)
+            res = []
+            while not res:
+                res = pool.wait()
+        r = res[0][2]
+        secs = time.monotonic() - t0
+        if r.status == base.OK:
+            what = {"compile": f"deviceless {tpu} compile + static profiler estimate ({r.cycles:.0f} cycles)",
+                    "interpret": "Pallas interpreter matches the reference"}[name]
+            out[name] = ("works", f"{what}, {secs:.0f} s")
+        elif name == "compile" and r.status == base.CRASH and "compiles without the profiler" in r.message:
+            out[name] = ("partly", f"deviceless compile works, but libtpu's static profiler crashed: the "
+                                   f"compile backend records such configs as crash ({secs:.0f} s)")
+        else:
+            out[name] = ("fails", f"{r.status}: {r.message[:300]}")
+    return out

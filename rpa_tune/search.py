@@ -1,0 +1,188 @@
+"""Search strategies over a case's candidate configs: grid, random, TPE (Optuna).
+
+All three share one ask/tell interface driven by the engine:
+
+* ``ask()`` returns the next ``BlockSizes`` to evaluate (None: nothing more to ask);
+* ``tell(bs, status, metric)`` reports its outcome (``metric`` in seconds for ``ok``).
+
+The candidate list given to a search is already legal and VMEM-pre-filtered (infeasible
+configs never reach TPE). The kernel's heuristic config, when it is a candidate, is
+asked first by every strategy so that every sweep measures the default it improves on.
+
+* ``grid``: every candidate in enumeration order.
+* ``random``: a seeded permutation of the candidates.
+* ``tpe``: Optuna's TPE sampler (seeded) over the candidates' values of ``bq, bkv, cq,
+  ckv``. Combinations that are not candidates (illegal or pre-filtered) are told as
+  pruned without evaluation, so TPE learns to avoid them; configs the compiler finds
+  infeasible are told as pruned too. It stops early when ``patience`` evaluations in a
+  row have not improved the best metric by more than 0.5%. When the space has no more
+  candidates than the budget, TPE runs ``grid`` instead (exhaustive is then cheaper).
+
+Same seed and same outcomes give the same order (with one job; parallel jobs change the
+order in which outcomes reach TPE). Resuming replays the recorded outcomes through
+``tell`` in ask order, so an interrupted TPE sweep continues where it stopped.
+"""
+from __future__ import annotations
+
+import math
+import warnings
+
+import numpy as np
+
+from kernel.config import BlockSizes
+
+SEARCHES = ("grid", "random", "tpe")
+IMPROVEMENT = 0.005
+
+
+class Search:
+    name = ""
+
+    def __init__(self, candidates, *, budget: int, seed: int = 0, first: BlockSizes | None = None,
+                 patience: int = 0):
+        self.candidates = [BlockSizes(*c) for c in candidates]
+        self.budget = int(budget)
+        self.seed = int(seed)
+        self.first = first if first in set(self.candidates) else None
+        self.patience = int(patience)
+        self.best = math.inf
+        self.since_best = 0
+        self.stop_reason = ""
+        self.fallback = ""
+
+    def ask(self) -> BlockSizes | None:
+        raise NotImplementedError
+
+    def tell(self, bs: BlockSizes, status: str, metric: float | None) -> None:
+        if status == "ok" and metric is not None and math.isfinite(metric):
+            if metric < self.best * (1 - IMPROVEMENT):
+                self.best = metric
+                self.since_best = 0
+                return
+            self.best = min(self.best, metric)
+        self.since_best += 1
+
+    def should_stop(self) -> bool:
+        if self.patience > 0 and self.since_best >= self.patience and math.isfinite(self.best):
+            self.stop_reason = f"no improvement > {IMPROVEMENT:.1%} in {self.patience} evaluations"
+            return True
+        return False
+
+    def _ordered(self, order) -> list[BlockSizes]:
+        order = list(order)
+        if self.first is not None:
+            order.remove(self.first)
+            order.insert(0, self.first)
+        return order
+
+
+class GridSearch(Search):
+    name = "grid"
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self._queue = self._ordered(self.candidates)
+        self.patience = 0   # exhaustive: never stops early
+
+    def ask(self):
+        return self._queue.pop(0) if self._queue else None
+
+
+class RandomSearch(Search):
+    name = "random"
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        rng = np.random.default_rng([self.seed, 17])
+        perm = [self.candidates[i] for i in rng.permutation(len(self.candidates))]
+        self._queue = self._ordered(perm)
+
+    def ask(self):
+        return self._queue.pop(0) if self._queue else None
+
+
+class TpeSearch(Search):
+    name = "tpe"
+    MAX_MISSES = 200
+
+    def __init__(self, *a, jobs: int = 1, **kw):
+        super().__init__(*a, **kw)
+        import optuna
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+        self._optuna = optuna
+        self._cands = set(self.candidates)
+        self._values = {k: sorted({getattr(c, k) for c in self.candidates}) for k in BlockSizes._fields}
+        self._dists = {k: optuna.distributions.CategoricalDistribution(v) for k, v in self._values.items()}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")   # multivariate / constant_liar are "experimental"
+            sampler = optuna.samplers.TPESampler(
+                seed=self.seed, n_startup_trials=min(10, max(4, self.budget // 4)), multivariate=True,
+                constant_liar=jobs > 1)
+        self.study = optuna.create_study(direction="minimize", sampler=sampler)
+        self._trials: dict[BlockSizes, object] = {}   # in flight
+        self._seen: dict[BlockSizes, tuple] = {}       # told outcomes
+        self._rng = np.random.default_rng([self.seed, 29])
+        if self.first is not None:
+            self.study.enqueue_trial(self.first._asdict())
+
+    def _params(self, trial) -> BlockSizes:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return BlockSizes(*(trial.suggest_categorical(k, self._values[k]) for k in BlockSizes._fields))
+
+    def _tell_known(self, trial, status, metric):
+        TS = self._optuna.trial.TrialState
+        if status == "ok" and metric is not None and metric > 0:
+            self.study.tell(trial, math.log(metric))
+        else:
+            self.study.tell(trial, state=TS.PRUNED)
+
+    def ask(self):
+        TS = self._optuna.trial.TrialState
+        for _ in range(self.MAX_MISSES):
+            if len(self._seen) + len(self._trials) >= len(self._cands):
+                return None
+            trial = self.study.ask()
+            bs = self._params(trial)
+            if bs not in self._cands:
+                self.study.tell(trial, state=TS.PRUNED)       # illegal or VMEM-infeasible: never evaluated
+                continue
+            if bs in self._seen:
+                self._tell_known(trial, *self._seen[bs])
+                continue
+            if bs in self._trials:
+                self.study.tell(trial, state=TS.FAIL)         # already in flight
+                continue
+            self._trials[bs] = trial
+            return bs
+        # TPE keeps proposing known / illegal configs: hand it an unexplored candidate
+        rest = [c for c in self.candidates if c not in self._seen and c not in self._trials]
+        if not rest:
+            return None
+        bs = rest[int(self._rng.integers(len(rest)))]
+        self.study.enqueue_trial(bs._asdict())
+        trial = self.study.ask()
+        self._trials[bs] = trial
+        return bs
+
+    def tell(self, bs, status, metric):
+        super().tell(bs, status, metric)
+        self._seen[bs] = (status, metric)
+        trial = self._trials.pop(bs, None)
+        if trial is not None:
+            self._tell_known(trial, status, metric)
+
+
+def make_search(kind: str, candidates, *, budget: int, seed: int = 0, first=None, patience: int = 0,
+                jobs: int = 1) -> Search:
+    """A search of ``kind``; ``tpe`` becomes ``grid`` when the candidates fit in the budget."""
+    if kind not in SEARCHES:
+        raise ValueError(f"unknown search {kind!r}; valid: {SEARCHES}")
+    if kind == "grid" or (kind == "tpe" and len(candidates) <= budget):
+        s = GridSearch(candidates, budget=budget, seed=seed, first=first)
+        if kind == "tpe":
+            s.fallback = f"tpe -> grid: {len(candidates)} candidates fit in the budget of {budget}"
+        return s
+    if kind == "random":
+        return RandomSearch(candidates, budget=budget, seed=seed, first=first, patience=0)
+    return TpeSearch(candidates, budget=budget, seed=seed, first=first, patience=patience, jobs=jobs)

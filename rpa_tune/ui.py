@@ -1,0 +1,295 @@
+"""Rich rendering: sweep header, live progress, summary tables, show / verify / doctor."""
+from __future__ import annotations
+
+import math
+import os
+
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import (BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn,
+                           TimeElapsedColumn, TimeRemainingColumn)
+from rich.table import Table
+
+from .engine import Events, Outcome, Plan, SweepSpec, plan_sweep
+
+def _console(**kw) -> Console:
+    c = Console(highlight=False, **kw)
+    if not c.is_terminal and "COLUMNS" not in os.environ:
+        c = Console(highlight=False, width=200, **kw)   # logs / pipes: do not wrap tables at 80 columns
+    return c
+
+
+out = _console()
+err = _console(stderr=True)
+
+STATUS_STYLE = {"ok": "green", "vmem_oom": "yellow", "compile_error": "red", "timeout": "magenta",
+                "wrong_result": "bold red", "crash": "red"}
+SHORT = {"ok": "ok", "vmem_oom": "oom", "compile_error": "err", "timeout": "timeout",
+         "wrong_result": "wrong", "crash": "crash"}
+
+
+def styled(text: str, style: str | None) -> str:
+    text = escape(str(text))
+    return f"[{style}]{text}[/]" if style else text
+
+
+def fmt_time(s) -> str:
+    if s is None or (isinstance(s, float) and math.isnan(s)):
+        return "-"
+    if s >= 1:
+        return f"{s:.3g} s"
+    if s >= 1e-3:
+        return f"{s * 1e3:.3g} ms"
+    return f"{s * 1e6:.3g} µs"
+
+
+def fmt_bytes(b) -> str:
+    if b is None or (isinstance(b, float) and math.isnan(b)):
+        return "-"
+    return f"{b / 2**20:.1f} MiB"
+
+
+def fmt_bs(r) -> str:
+    return f"({int(r['bq'])}, {int(r['bkv'])}, {int(r['cq'])}, {int(r['ckv'])})"
+
+
+def fmt_counts(counts: dict) -> str:
+    parts = [styled(f"{SHORT.get(k, k)} {v}", STATUS_STYLE.get(k)) for k, v in counts.items() if v]
+    return " · ".join(parts) or "-"
+
+
+def shape_label(key: dict) -> str:
+    return (f"q{key['num_q_heads']}/kv{key['num_kv_heads']} d{key['head_dim']} "
+            f"{_dt(key['q_dtype'])}/{_dt(key['kv_dtype'])}")
+
+
+def _dt(name: str) -> str:
+    return {"bfloat16": "bf16", "float32": "f32", "float8_e4m3fn": "fp8"}.get(name, name)
+
+
+# ============================================================================ sweep
+def _plan_line(plan: Plan) -> str:
+    return (f"{len(plan.candidates)} candidates of {plan.total} in the space "
+            f"({plan.illegal} illegal, {plan.capped} over a size cap, {plan.prefiltered} rejected by the VMEM "
+            f"pre-filter" + (f", {plan.not_estimable} beyond the estimate's q-block unrolling" if plan.not_estimable
+                             else "") + ")")
+
+
+def print_header(spec: SweepSpec, backend_note: str, results) -> None:
+    plan = plan_sweep(spec)
+    k = spec.key
+    err.print(f"[bold]rpa-tune sweep[/] {k.generation} {k.case}: {spec.model_label or shape_label(k.as_dict())}")
+    err.print(f"  key       {k.id()}")
+    err.print(f"  workload  {escape(spec.workload_desc)}")
+    err.print(f"  space     {spec.case_space and _plan_line(plan)}; heuristic {tuple(plan.heuristic) if plan.heuristic else '-'}")
+    err.print(f"  backend   {spec.backend} ({backend_note}); search {spec.search}, budget {spec.budget}, "
+              f"seed {spec.seed}, jobs {1 if spec.backend == 'tpu' else spec.jobs}, timeout {spec.timeout:g} s")
+    err.print(f"  results   {os.fspath(results)}")
+
+
+def print_plan(spec: SweepSpec, backend_note: str, results) -> None:
+    print_header(spec, backend_note, results)
+    plan = plan_sweep(spec)
+    t = Table(title=f"{spec.key.generation} {spec.key.case}: candidates (dry run, nothing evaluated)")
+    for c in ("#", "(bq, bkv, cq, ckv)", "predicted VMEM", "note"):
+        t.add_column(c)
+    for i, bs in enumerate(plan.candidates):
+        t.add_row(str(i + 1), str(tuple(bs)), fmt_bytes(plan.predicted[bs]),
+                  "heuristic" if bs == plan.heuristic else "")
+    out.print(t)
+    if plan.reasons:
+        out.print("dropped: " + "; ".join(f"{n} x {r}" for r, n in sorted(plan.reasons.items(), key=lambda x: -x[1])))
+
+
+class SweepProgress(Events):
+    """Live progress: bar, ETA, counts per status, best so far."""
+
+    def __init__(self):
+        self.progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
+                                 MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("eta"),
+                                 TimeRemainingColumn(), TextColumn("{task.fields[status]}"),
+                                 console=err, transient=False)
+        self.task = None
+        self.counts: dict = {}
+        self.best = None
+        self.in_flight = 0
+
+    def __enter__(self):
+        self.progress.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.progress.__exit__(*exc)
+
+    def _status(self) -> str:
+        best = (f" | best {fmt_time(self.best['metric'])} {fmt_bs(self.best)}" if self.best else "")
+        running = f" | running {self.in_flight}" if self.in_flight else ""
+        return fmt_counts(self.counts) + best + running
+
+    def _note(self, row):
+        self.counts[row["status"]] = self.counts.get(row["status"], 0) + 1
+        if row["status"] == "ok" and row.get("metric") is not None:
+            if self.best is None or row["metric"] < self.best["metric"]:
+                self.best = row
+
+    def start(self, spec, plan, total):
+        self.task = self.progress.add_task(f"{spec.key.generation} {spec.key.case}", total=max(total, 1),
+                                           status="")
+
+    def resumed(self, row):
+        self._note(row)
+        self.progress.update(self.task, advance=1, status=self._status())
+
+    def dispatched(self, bs):
+        self.in_flight += 1
+        self.progress.update(self.task, status=self._status())
+
+    def finished(self, row, outcome):
+        self.in_flight = max(0, self.in_flight - 1)
+        self._note(row)
+        self.progress.update(self.task, advance=1, status=self._status())
+
+
+def print_summary(o: Outcome, store, top: int = 10) -> None:
+    spec = o.spec
+    df = store.read()
+    if not df.empty:
+        from .workloads import workload_id
+        d = df[(df["key_id"] == spec.key.id()) & (df["workload_id"] == workload_id(spec.workload))
+               & (df["backend"] == spec.backend)]
+        from . import provenance
+        d = d[d["kernel_hash"] == provenance.kernel_hash()]
+        d = d.sort_values("timestamp").drop_duplicates("config_id", keep="last")
+    else:
+        d = df
+    t = Table(title=f"{spec.key.generation} {spec.key.case} — {spec.backend} ({'estimate' if spec.backend == 'compile' else 'measured' if spec.backend == 'tpu' else 'correctness'})")
+    for c in ("rank", "(bq, bkv, cq, ckv)", "status", "time", "bound", "cycles", "VMEM limit", "compile", "note"):
+        t.add_column(c, justify="right" if c in ("time", "cycles", "compile", "rank") else "left")
+    ok = d[d["status"] == "ok"].sort_values("metric", na_position="last") if len(d) else d
+    shown = 0
+    for _, r in ok.iterrows():
+        if shown >= top:
+            break
+        shown += 1
+        t.add_row(str(shown), fmt_bs(r), f"[green]ok[/]", fmt_time(r["metric"]), str(r["active_bound"] or "-"),
+                  "-" if r["cycles"] is None or math.isnan(r["cycles"]) else f"{r['cycles']:,.0f}",
+                  fmt_bytes(r["vmem_limit_bytes"]), fmt_time(r["compile_s"]),
+                  "heuristic" if r["is_heuristic"] else "")
+    bad = d[d["status"] != "ok"] if len(d) else d
+    for _, r in bad.head(5).iterrows():
+        t.add_row("-", fmt_bs(r), styled(r["status"], STATUS_STYLE.get(r["status"])), "-", "-", "-",
+                  fmt_bytes(r["vmem_limit_bytes"]), fmt_time(r["compile_s"]), escape(str(r["message"] or "")[:60]))
+    out.print(t)
+    counts = {k: v for k, v in o.counts.items() if v}
+    line = (f"{o.evaluated} evaluated, {o.resumed} already recorded; {fmt_counts(counts)}; "
+            f"{o.elapsed_s:.0f} s; {o.stop_reason}")
+    if o.search_note:
+        line += f" ({o.search_note})"
+    out.print(line)
+    if o.best:
+        msg = f"best {fmt_bs(o.best)} {fmt_time(o.best['metric'])}"
+        h = o.heuristic_row
+        if h and h.get("status") == "ok" and h.get("metric"):
+            msg += f"; heuristic {fmt_bs(h)} {fmt_time(h['metric'])} -> x{h['metric'] / o.best['metric']:.2f}"
+        out.print(msg)
+
+
+def print_overall(outcomes) -> None:
+    t = Table(title="all cases")
+    for c in ("case", "best (bq, bkv, cq, ckv)", "time", "vs heuristic", "statuses"):
+        t.add_column(c)
+    for o in outcomes:
+        b, h = o.best, o.heuristic_row
+        gain = f"x{h['metric'] / b['metric']:.2f}" if b and h and h.get("metric") else "-"
+        t.add_row(o.spec.key.case, fmt_bs(b) if b else "-", fmt_time(b["metric"]) if b else "-", gain,
+                  fmt_counts({k: v for k, v in o.counts.items() if v}))
+    out.print(t)
+
+
+# ============================================================================= show
+def print_winners(groups, top: int = 1) -> None:
+    t = Table(title="rpa-tune: best block sizes per key")
+    for c in ("tpu", "case", "shape", "page", "tokens", "len", "workload", "backend", "best (bq, bkv, cq, ckv)",
+              "time", "bound", "vs heuristic", "statuses"):
+        t.add_column(c, overflow="fold")
+    for g in groups:
+        b = g.best
+        gain = f"x{g.gain:.2f}" if g.gain else "-"
+        be = g.backend + (" (stale kernel)" if g.stale else "")
+        t.add_row(g.key["generation"], g.key["case"], shape_label(g.key), str(g.key["page_size"]),
+                  str(g.key["max_num_tokens"]), str(g.key["max_model_len"]), escape(g.workload[:48]), be,
+                  fmt_bs(b) if b else "[red]none ok[/]", fmt_time(b["metric"]) if b else "-",
+                  (b.get("active_bound") or "-") if b else "-", gain,
+                  fmt_counts(g.counts) + (f" · [bold red]{g.excluded_wrong} wrong excluded[/]" if g.excluded_wrong else ""))
+    out.print(t)
+    if top > 1:
+        for g in groups:
+            tt = Table(title=f"{g.key['generation']} {g.key['case']} {shape_label(g.key)} — top {top} ({g.backend})")
+            for c in ("rank", "(bq, bkv, cq, ckv)", "time", "bound", "cycles", "VMEM limit", "note"):
+                tt.add_column(c)
+            for i, r in enumerate(g.rows):
+                tt.add_row(str(i + 1), fmt_bs(r), fmt_time(r["metric"]), str(r.get("active_bound") or "-"),
+                           f"{r['cycles']:,.0f}" if r.get("cycles") else "-", fmt_bytes(r.get("vmem_limit_bytes")),
+                           "heuristic" if r.get("is_heuristic") else "")
+            out.print(tt)
+
+
+# =========================================================================== verify
+class VerifyProgress:
+    def __init__(self):
+        self.progress = None
+        self.task = None
+
+    def start(self, total):
+        self.progress = Progress(SpinnerColumn(), TextColumn("verify (interpret)"), BarColumn(), MofNCompleteColumn(),
+                                 TimeElapsedColumn(), console=err)
+        self.progress.start()
+        self.task = self.progress.add_task("verify", total=max(total, 1))
+
+    def advance(self, row):
+        self.progress.update(self.task, advance=1)
+
+    def stop(self):
+        if self.progress is not None:
+            self.progress.stop()
+
+
+def print_verify(rows) -> None:
+    t = Table(title="rpa-tune verify: chosen configs vs the reference (Pallas interpreter)")
+    for c in ("tpu", "case", "shape", "(bq, bkv, cq, ckv)", "status", "detail"):
+        t.add_column(c, overflow="fold")
+    for r in rows:
+        t.add_row(r["generation"], r["case"], shape_label(r), fmt_bs(r),
+                  styled(r["status"], STATUS_STYLE.get(r["status"])), escape(str(r.get("message") or "")[:120]))
+    out.print(t)
+
+
+# =========================================================================== doctor
+def print_doctor(rep: dict) -> None:
+    t = Table(title="rpa-tune doctor", show_header=False)
+    t.add_column("item")
+    t.add_column("value", overflow="fold")
+    for k, v in rep["versions"].items():
+        t.add_row(k, escape(str(v or "not installed")))
+    for k, v in rep["kernel"].items():
+        t.add_row(k, str(v))
+    d = rep["devices"]
+    t.add_row("devices", f"{d.get('platform')} {d.get('device_kind') or ''} x{d.get('count')}"
+              + ("" if d.get("probed") else " (no accelerator device nodes; not probed)"))
+    for name, (state, detail) in rep["backends"].items():
+        style = {"works": "green", "partly": "yellow", "unavailable": "dim", "fails": "red"}.get(state, "")
+        t.add_row(f"backend {name}", styled(state, style) + ": " + escape(str(detail)))
+    t.add_row("backend auto", rep["auto"])
+    for k, v in rep["compilation_cache"].items():
+        t.add_row(f"cache: {k}", escape(str(v)))
+    out.print(t)
+
+
+def print_presets(presets) -> None:
+    t = Table(title="model presets (per-shard attention shapes)")
+    for c in ("name", "q heads", "kv heads", "head_dim", "dtypes", "description"):
+        t.add_column(c)
+    for p in presets.values():
+        t.add_row(p.name, str(p.num_q_heads), str(p.num_kv_heads), str(p.head_dim), f"{p.q_dtype}/{p.kv_dtype}",
+                  p.description)
+    out.print(t)

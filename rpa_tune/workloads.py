@@ -1,0 +1,267 @@
+"""Workloads the tuner evaluates block sizes on: seeded generators and user files.
+
+A workload is a ``kernel.workload.Workload`` (per-sequence ``q_len``/``kv_len`` and the
+case split). Generators are deterministic for a given seed and keep the number of
+*distinct* ``(q_len, kv_len)`` pairs small: the compile backend's estimate unrolls one
+loop per distinct pair, so a workload with 64 different lengths would compile for
+minutes. Lengths are therefore drawn from the distribution and then quantised to a few
+levels (equal-count quantile bins, each replaced by its mean), which keeps the total KV
+tokens (the memory traffic) within rounding of the drawn sample.
+
+* decode: ``num_seqs`` sequences with ``q_len = 1`` and context lengths drawn from
+  ``--context`` (``lognormal:MEDIAN:SIGMA`` | ``uniform:LO:HI`` | ``fixed:N``),
+  quantised to ``levels`` values. Default: 64 sequences, lognormal(median 2048, sigma
+  0.8), 4 levels, clipped to ``[1, max_model_len]``.
+* prefill: ``num_chunks`` chunks of ``chunk`` tokens (default 2 x 1024, capped by
+  ``max_num_tokens``); each chunk's context is a whole number of earlier chunks of the
+  same prompt, drawn uniformly from ``[0, max_context]`` (default 4096).
+* mixed: a serving step of a chunked-prefill server, scaled to ``max_num_tokens``:
+  one prefill chunk (1/4 of the token budget, at most 512), two "extend" requests
+  (16-64 new tokens), eight speculative-decoding sequences (4 tokens each) and sixteen
+  decode-like sequences (1 token), contexts lognormal(2048, 0.8), quantised.
+* file (``--workload FILE``): JSON (a list of ``{"q_len":, "kv_len":}`` objects, or
+  ``{"sequences": [...]}``) or CSV with columns ``q_len,kv_len`` and optionally
+  ``case``. Without a ``case`` column, decode uses the rows with ``q_len == 1``, prefill
+  the rows with ``q_len > 1`` and mixed all rows. Quantised to ``max_segments`` distinct
+  pairs (default 8).
+"""
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+
+from kernel.config import Case
+from kernel.workload import ServingLimits, Workload
+
+
+class WorkloadError(ValueError):
+    """A workload that cannot be built or read; the message says why."""
+
+
+# ----------------------------------------------------------------------- identity
+def workload_id(w: Workload) -> str:
+    doc = json.dumps({"q": w.q_lens, "kv": w.kv_lens, "d": w.distribution}, separators=(",", ":"))
+    return hashlib.sha256(doc.encode()).hexdigest()[:12]
+
+
+def describe(w: Workload, origin: str = "") -> str:
+    parts = []
+    for case in (Case.DECODE, Case.PREFILL, Case.MIXED):
+        lo, hi = w.case_range(case)
+        if hi == lo:
+            continue
+        q, kv = w.q_lens[lo:hi], w.kv_lens[lo:hi]
+        if case == Case.DECODE:
+            parts.append(f"{case.value}: {hi - lo} seqs, kv {min(kv)}..{max(kv)} (mean {round(np.mean(kv))})")
+        else:
+            parts.append(f"{case.value}: {hi - lo} seqs, q {min(q)}..{max(q)} ({sum(q)} tokens), "
+                         f"kv {min(kv)}..{max(kv)}")
+    text = "; ".join(parts)
+    return f"{text} [{origin}]" if origin else text
+
+
+# --------------------------------------------------------------------- primitives
+def parse_distribution(spec: str) -> tuple[str, tuple[float, ...]]:
+    """``lognormal:MEDIAN:SIGMA`` | ``uniform:LO:HI`` | ``fixed:N``."""
+    parts = str(spec).split(":")
+    kind, args = parts[0].lower(), parts[1:]
+    want = {"lognormal": 2, "uniform": 2, "fixed": 1}
+    if kind not in want:
+        raise WorkloadError(f"unknown context distribution {spec!r}; valid: lognormal:MEDIAN:SIGMA, "
+                            "uniform:LO:HI, fixed:N")
+    try:
+        vals = tuple(float(a) for a in args)
+    except ValueError:
+        raise WorkloadError(f"context distribution {spec!r} has a non-numeric parameter") from None
+    if len(vals) != want[kind] or any(v < 0 for v in vals) or (kind != "lognormal" and vals[0] < 0):
+        raise WorkloadError(f"context distribution {spec!r} needs {want[kind]} non-negative numbers")
+    if kind == "uniform" and vals[0] > vals[1]:
+        raise WorkloadError(f"context distribution {spec!r}: LO > HI")
+    return kind, vals
+
+
+def draw_lengths(spec: str, n: int, rng: np.random.Generator) -> np.ndarray:
+    kind, v = parse_distribution(spec)
+    if kind == "lognormal":
+        x = rng.lognormal(np.log(max(v[0], 1.0)), v[1], n)
+    elif kind == "uniform":
+        x = rng.uniform(v[0], v[1], n)
+    else:
+        x = np.full(n, v[0])
+    return np.maximum(np.rint(x), 0).astype(np.int64)
+
+
+def quantise(values, levels: int) -> list[int]:
+    """Replace each of ``levels`` equal-count quantile bins (of the sorted values) by its
+    rounded mean; returns values in the original order."""
+    values = np.asarray(values, np.int64)
+    if levels <= 0 or len(np.unique(values)) <= levels:
+        return [int(v) for v in values]
+    order = np.argsort(values, kind="stable")
+    out = np.empty_like(values)
+    for chunk in np.array_split(order, levels):
+        out[chunk] = int(round(float(values[chunk].mean())))
+    return [int(v) for v in out]
+
+
+# --------------------------------------------------------------------- generators
+def decode_workload(limits: ServingLimits, *, num_seqs: int = 64, context: str = "lognormal:2048:0.8",
+                    levels: int = 4, seed: int = 0) -> tuple[Workload, str]:
+    n = max(1, min(num_seqs, limits.max_num_seqs, limits.max_num_tokens))
+    rng = np.random.default_rng([seed, 1])
+    ctx = draw_lengths(context, n, rng)
+    kv = np.clip(ctx + 1, 1, limits.max_model_len)
+    kv = quantise(kv, levels)
+    w = Workload.of_case(Case.DECODE, [1] * n, kv)
+    return w, f"decode gen: {n} seqs, context {context}, {levels} levels, seed {seed}"
+
+
+def prefill_workload(limits: ServingLimits, *, num_chunks: int = 2, chunk: int = 1024,
+                     max_context: int = 4096, seed: int = 0) -> tuple[Workload, str]:
+    chunk = max(1, min(chunk, limits.max_num_tokens, limits.max_model_len))
+    n = max(1, min(num_chunks, limits.max_num_tokens // chunk, limits.max_num_seqs))
+    rng = np.random.default_rng([seed, 2])
+    max_prev = max(0, min(max_context, limits.max_model_len - chunk) // chunk)
+    ctx = rng.integers(0, max_prev + 1, n) * chunk
+    w = Workload.of_case(Case.PREFILL, [chunk] * n, [int(c) + chunk for c in ctx])
+    return w, f"prefill gen: {n} chunks of {chunk}, context <= {max_context}, seed {seed}"
+
+
+def mixed_workload(limits: ServingLimits, *, context: str = "lognormal:2048:0.8",
+                   seed: int = 0) -> tuple[Workload, str]:
+    rng = np.random.default_rng([seed, 3])
+    T, S, L = limits.max_num_tokens, limits.max_num_seqs, limits.max_model_len
+    groups = [  # (count, q_len) of one realistic chunked-prefill serving step
+        (1, max(1, min(512, T // 4))),
+        (2, int(rng.integers(16, 65))),
+        (8, 4),
+        (16, 1),
+    ]
+    q_lens: list[int] = []
+    for count, q in groups:
+        for _ in range(count):
+            if len(q_lens) < S and sum(q_lens) + q <= T:
+                q_lens.append(min(q, L))
+    if not q_lens:
+        q_lens = [1]
+    ctx = draw_lengths(context, len(q_lens), rng)
+    ctx[0] = (ctx[0] // max(1, q_lens[0])) * q_lens[0]           # the chunk starts at a chunk boundary
+    kv = [int(min(L, c + q)) for c, q in zip(ctx, q_lens)]
+    # quantise contexts within each q_len group (at most 2 levels each)
+    out_kv = list(kv)
+    for q in sorted(set(q_lens)):
+        idx = [i for i, x in enumerate(q_lens) if x == q]
+        for i, v in zip(idx, quantise([kv[i] for i in idx], 2)):
+            out_kv[i] = max(q, v)
+    w = Workload.of_case(Case.MIXED, q_lens, out_kv)
+    return w, f"mixed gen: {len(q_lens)} seqs (prefill chunk, extend, spec-decode, decode), context {context}, seed {seed}"
+
+
+# --------------------------------------------------------------------------- files
+def read_workload_file(path: str | Path) -> list[tuple[int, int, str | None]]:
+    """Rows ``(q_len, kv_len, case or None)`` from a JSON or CSV file."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as e:
+        raise WorkloadError(f"workload file {str(p)!r} cannot be read: {e.strerror or e}") from None
+    rows: list[tuple[int, int, str | None]] = []
+
+    def add(q, kv, case, where):
+        try:
+            qi, kvi = int(q), int(kv)
+        except (TypeError, ValueError):
+            raise WorkloadError(f"{p}: {where}: q_len={q!r}, kv_len={kv!r} must be integers") from None
+        if qi < 1 or kvi < qi:
+            raise WorkloadError(f"{p}: {where}: need 1 <= q_len <= kv_len, got q_len={qi}, kv_len={kvi}")
+        if case not in (None, ""):
+            try:
+                case = Case.parse(case).value
+            except ValueError as e:
+                raise WorkloadError(f"{p}: {where}: {e}") from None
+        rows.append((qi, kvi, case or None))
+
+    if p.suffix.lower() == ".json" or text.lstrip().startswith(("[", "{")):
+        try:
+            doc = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise WorkloadError(f"workload file {str(p)!r} is not valid JSON: {e}") from None
+        seqs = doc.get("sequences") if isinstance(doc, dict) else doc
+        if not isinstance(seqs, list):
+            raise WorkloadError(f"{p}: expected a list of {{\"q_len\", \"kv_len\"}} objects or "
+                                "{\"sequences\": [...]}")
+        for i, s in enumerate(seqs):
+            if not isinstance(s, dict) or "q_len" not in s or "kv_len" not in s:
+                raise WorkloadError(f"{p}: sequence {i} must be an object with q_len and kv_len")
+            add(s["q_len"], s["kv_len"], s.get("case"), f"sequence {i}")
+    else:
+        reader = csv.DictReader(text.splitlines())
+        if not reader.fieldnames or not {"q_len", "kv_len"} <= set(reader.fieldnames):
+            raise WorkloadError(f"{p}: a CSV workload needs a header with q_len,kv_len (and optionally case)")
+        for i, r in enumerate(reader):
+            add(r["q_len"], r["kv_len"], r.get("case"), f"row {i + 2}")
+    if not rows:
+        raise WorkloadError(f"workload file {str(p)!r} has no sequences")
+    return rows
+
+
+def quantise_pairs(pairs: list[tuple[int, int]], max_segments: int) -> list[tuple[int, int]]:
+    """At most ``max_segments`` distinct ``(q_len, kv_len)`` pairs: equal-count bins of the
+    sorted pairs, each replaced by its rounded mean (kv_len >= q_len kept)."""
+    if len(set(pairs)) <= max_segments:
+        return sorted(pairs)
+    srt = sorted(pairs)
+    out = []
+    for chunk in np.array_split(np.arange(len(srt)), max_segments):
+        qs = [srt[i][0] for i in chunk]
+        kvs = [srt[i][1] for i in chunk]
+        q = max(1, int(round(float(np.mean(qs)))))
+        kv = max(q, int(round(float(np.mean(kvs)))))
+        out += [(q, kv)] * len(chunk)
+    return out
+
+
+def file_workload(path: str | Path, case: Case | str, *, max_segments: int = 8) -> tuple[Workload, str]:
+    case = Case.parse(case)
+    rows = read_workload_file(path)
+    has_case = any(c is not None for _, _, c in rows)
+    if has_case:
+        sel = [(q, kv) for q, kv, c in rows if c == case.value]
+    elif case == Case.DECODE:
+        sel = [(q, kv) for q, kv, _ in rows if q == 1]
+    elif case == Case.PREFILL:
+        sel = [(q, kv) for q, kv, _ in rows if q > 1]
+    else:
+        sel = [(q, kv) for q, kv, _ in rows]
+    if not sel:
+        raise WorkloadError(f"workload file {str(path)!r} has no {case.value} sequences "
+                            f"({'case column' if has_case else 'decode: q_len == 1, prefill: q_len > 1'})")
+    pairs = quantise_pairs(sel, max_segments)
+    w = Workload.of_case(case, [q for q, _ in pairs], [kv for _, kv in pairs])
+    note = f", quantised to {max_segments} segments" if len(set(sel)) > max_segments else ""
+    return w, f"file {Path(path).name}: {len(sel)} {case.value} seqs{note}"
+
+
+def make_workload(case: Case | str, limits: ServingLimits, *, seed: int = 0, path=None,
+                  num_seqs: int = 64, context: str = "lognormal:2048:0.8", chunk: int = 1024,
+                  num_chunks: int = 2, max_segments: int = 8) -> tuple[Workload, str]:
+    """The workload of one case: from ``path`` if given, else the case's generator.
+    Raises ``WorkloadError`` when it does not fit ``limits``."""
+    case = Case.parse(case)
+    if path is not None:
+        w, origin = file_workload(path, case, max_segments=max_segments)
+    elif case == Case.DECODE:
+        w, origin = decode_workload(limits, num_seqs=num_seqs, context=context, seed=seed)
+    elif case == Case.PREFILL:
+        w, origin = prefill_workload(limits, chunk=chunk, num_chunks=num_chunks, seed=seed)
+    else:
+        w, origin = mixed_workload(limits, context=context, seed=seed)
+    try:
+        w.check_fits(limits)
+    except ValueError as e:
+        raise WorkloadError(f"{case.value} workload ({origin}) does not fit the serving limits: {e}") from None
+    return w, origin

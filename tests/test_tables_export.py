@@ -1,0 +1,257 @@
+"""rpa-tune export / diff: determinism, merging, promotion margin, --check."""
+import random
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from kernel.tables import Table
+from rpa_tune import export as ex
+from rpa_tune.cli_tables import register, sample_entries
+from tables_synth import key, row, write_results
+
+runner = CliRunner()
+
+
+def _app():
+    app = typer.Typer()
+    register(app)
+
+    @app.callback()
+    def _main():  # a callback keeps Typer in multi-command mode
+        pass
+
+    return app
+
+
+def H(k):
+    return tuple(ex.heuristic_for(k))
+
+
+def _other_bs(k, i=0):
+    """Legal configurations different from the heuristic's."""
+    h = H(k)
+    if k.case == "decode":
+        cands = [(1, 2048, 1, 512), (1, 512, 1, 512), (1, 4096, 1, 1024), (1, 256, 1, 256)]
+    else:
+        cands = [(128, 1024, 64, 512), (64, 512, 64, 256), (32, 256, 32, 128), (256, 2048, 128, 512)]
+    return [c for c in cands if c != h][i]
+
+
+def _sweep_rows(keys, *, gains, method="estimate", **kw):
+    rows = []
+    for k, g in zip(keys, gains):
+        base = 1e-4 * (1 + k.max_num_tokens / 1000)
+        rows.append(row(k, H(k), base, method=method, **kw))
+        rows.append(row(k, _other_bs(k, 0), base / (1 + g), method=method, **kw))
+        rows.append(row(k, _other_bs(k, 1), base * 1.3, method=method, **kw))
+    return rows
+
+
+KEYS = [key(g, c, t=t) for g in ("v5e", "v6e") for c in ("decode", "prefill") for t in (64, 512)]
+
+
+def _export(results, out):
+    r = runner.invoke(_app(), ["export", "--results", str(results), "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    return r
+
+
+def test_export_is_byte_identical_and_order_independent(tmp_path):
+    rows = _sweep_rows(KEYS, gains=[0.1, 0.01, 0.3, 0.05] * 2)
+    write_results(tmp_path / "r1", rows)
+    shuffled = rows[:]
+    random.Random(0).shuffle(shuffled)
+    write_results(tmp_path / "r2", shuffled[:7])
+    write_results(tmp_path / "r2", shuffled[7:])
+    _export(tmp_path / "r1", tmp_path / "a")
+    _export(tmp_path / "r1", tmp_path / "b")
+    _export(tmp_path / "r2", tmp_path / "c")
+    names = sorted(p.name for p in (tmp_path / "a").iterdir())
+    assert names == ["v5e.json", "v5e.parquet", "v6e.json", "v6e.parquet"]
+    for n in names:
+        a = (tmp_path / "a" / n).read_bytes()
+        assert a == (tmp_path / "b" / n).read_bytes() == (tmp_path / "c" / n).read_bytes(), n
+    # JSON and Parquet hold the same rows
+    for g in ("v5e", "v6e"):
+        assert Table.read(tmp_path / "a" / f"{g}.json") == Table.read(tmp_path / "a" / f"{g}.parquet")
+
+
+def test_merge_several_sweeps_and_duplicates(tmp_path):
+    rows = _sweep_rows(KEYS, gains=[0.1] * len(KEYS))
+    write_results(tmp_path / "m1", rows[:12])           # machine 1: half the keys
+    write_results(tmp_path / "m2", rows[12:])           # machine 2: the other half
+    write_results(tmp_path / "m2", rows[:3])            # an overlapping copy
+    r = runner.invoke(_app(), ["export", "-r", str(tmp_path / "m1"), "-r", str(tmp_path / "m2"),
+                               "--out", str(tmp_path / "out")])
+    assert r.exit_code == 0, r.output
+    write_results(tmp_path / "all", rows)
+    _export(tmp_path / "all", tmp_path / "ref")
+    for n in ("v5e.json", "v6e.json"):
+        assert (tmp_path / "out" / n).read_bytes() == (tmp_path / "ref" / n).read_bytes()
+    t = Table.read(tmp_path / "out" / "v6e.json")
+    assert len(t) == 4 and all(e.samples == 1 for e in t.entries)   # the duplicate was dropped
+
+
+def _one(rows):
+    import pandas as pd
+    tables, reports = ex.build_tables(ex.normalize_results(pd.DataFrame(rows)))
+    return [r for r in reports if r.key is not None]
+
+
+@pytest.mark.parametrize("gain, promoted", [(0.0199, False), (0.02, False), (0.0201, True), (0.5, True)])
+def test_estimate_margin(gain, promoted):
+    k = key()
+    (rep,) = _one(_sweep_rows([k], gains=[gain]))
+    e = rep.entry
+    assert e.promoted is promoted, e.decision
+    assert e.margin == ex.ESTIMATE_MIN_GAIN
+    assert e.gain == pytest.approx(gain, abs=1e-6)
+    assert tuple(e.block_sizes) == _other_bs(k, 0) and tuple(e.heuristic_block_sizes) == H(k)
+
+
+@pytest.mark.parametrize("gain, rel_spread, promoted", [
+    (0.05, 0.03, False),    # margin 2 x 3% = 6% > 5%
+    (0.07, 0.03, True),
+    (0.009, 0.0, False),    # floor 1%
+    (0.011, 0.0, True),
+])
+def test_measured_margin_uses_spread(gain, rel_spread, promoted):
+    k = key()
+    base = 1e-4
+    rows = [row(k, H(k), base, method="measured", spread=base * rel_spread, samples=20),
+            row(k, _other_bs(k), base / (1 + gain), method="measured", spread=base / (1 + gain) * rel_spread,
+                samples=20)]
+    (rep,) = _one(rows)
+    assert rep.entry.method == "measured"
+    assert rep.entry.promoted is promoted, rep.entry.decision
+    assert rep.entry.margin == pytest.approx(max(0.01, 2 * rel_spread), abs=1e-6)
+
+
+def test_measured_rows_win_over_estimates():
+    k = key()
+    rows = _sweep_rows([k], gains=[0.5])                          # estimate says other_bs(0) is better
+    rows += [row(k, H(k), 2e-4, method="measured", samples=10), row(k, _other_bs(k, 1), 1.5e-4, method="measured")]
+    (rep,) = _one(rows)
+    assert rep.entry.method == "measured" and tuple(rep.entry.block_sizes) == _other_bs(k, 1)
+
+
+def test_no_heuristic_baseline_is_not_promoted():
+    k = key()
+    rows = [r for r in _sweep_rows([k], gains=[0.5]) if (r["bq"], r["bkv"], r["cq"], r["ckv"]) != H(k)]
+    (rep,) = _one(rows)
+    assert rep.entry.promoted is False and rep.entry.heuristic_metric is None and rep.entry.gain is None
+    assert "no heuristic baseline" in rep.entry.decision
+
+
+def test_failing_heuristic_promotes_best_and_disqualification():
+    k = key()
+    rows = [row(k, H(k), None, status="vmem_oom"), row(k, _other_bs(k, 0), 1e-4),
+            row(k, _other_bs(k, 1), 0.5e-4), row(k, _other_bs(k, 1), None, status="wrong_result", method="correctness"),
+            row(k, _other_bs(k, 2), 0.9e-4), row(k, _other_bs(k, 2), None, status="timeout")]
+    (rep,) = _one(rows)
+    e = rep.entry
+    assert e.promoted and "failed" in e.decision and e.heuristic_metric is None
+    assert tuple(e.block_sizes) == _other_bs(k, 2)      # other_bs(1) was wrong; a timeout disqualifies nothing
+
+
+def test_heuristic_best_is_kept():
+    k = key()
+    rows = [row(k, H(k), 1e-4), row(k, _other_bs(k), 1.1e-4)]
+    (rep,) = _one(rows)
+    assert not rep.entry.promoted and tuple(rep.entry.block_sizes) == H(k) and rep.entry.gain == 0
+
+
+def test_repeated_rows_are_aggregated_and_newest_kernel_wins():
+    k = key()
+    rows = [row(k, H(k), 1e-4, method="measured", spread=1e-7, samples=5, timestamp=f"2025-11-2{i}T00:00:00Z")
+            for i in range(3)]
+    rows += [row(k, _other_bs(k), m, method="measured", spread=1e-7, samples=5) for m in (0.8e-4, 0.9e-4, 0.85e-4)]
+    rows += [row(k, _other_bs(k, 1), 0.1e-4, kernel_hash="old", timestamp="2025-01-01T00:00:00Z", method="measured")]
+    (rep,) = _one(rows)
+    e = rep.entry
+    assert tuple(e.block_sizes) == _other_bs(k) and e.metric == pytest.approx(0.85e-4)
+    assert e.samples == 15 and e.spread == pytest.approx(0.1e-4)
+    assert e.provenance["kernel_hash"] == "k0" and e.provenance["budget"] == 2
+
+
+def test_check_detects_stale_and_missing(tmp_path):
+    rows = _sweep_rows(KEYS, gains=[0.1] * len(KEYS))
+    write_results(tmp_path / "res", rows)
+    out = tmp_path / "tables"
+    _export(tmp_path / "res", out)
+    app = _app()
+    ok = runner.invoke(app, ["export", "-r", str(tmp_path / "res"), "--out", str(out), "--check"])
+    assert ok.exit_code == 0, ok.output
+    assert "up to date" in ok.output
+    # a new sweep changes one key's winner: the committed table is stale
+    k = KEYS[0]
+    write_results(tmp_path / "res", [row(k, (1, 4096, 1, 1024) if k.case == "decode" else (256, 2048, 128, 512),
+                                         1e-6, timestamp="2025-11-22T10:00:00Z")])
+    stale = runner.invoke(app, ["export", "-r", str(tmp_path / "res"), "--out", str(out), "--check"])
+    assert stale.exit_code == 1
+    assert "stale" in stale.output and "-        \"bkv\"" in stale.output.replace("\r", "")
+    assert f"{k.generation}.json" in stale.output
+    before = (out / f"{k.generation}.json").read_bytes()
+    assert before == (out / f"{k.generation}.json").read_bytes()       # --check writes nothing
+    (out / "v6e.parquet").unlink()
+    missing = runner.invoke(app, ["export", "-r", str(tmp_path / "res"), "--out", str(out), "--check"])
+    assert missing.exit_code == 1 and "missing" in missing.output
+
+
+def test_diff_command(tmp_path):
+    write_results(tmp_path / "r1", _sweep_rows(KEYS[:3], gains=[0.1, 0.1, 0.1]))
+    _export(tmp_path / "r1", tmp_path / "old")
+    write_results(tmp_path / "r2", _sweep_rows(KEYS[1:4], gains=[0.1, 0.5, 0.1]))
+    _export(tmp_path / "r2", tmp_path / "new")
+    r = runner.invoke(_app(), ["diff", str(tmp_path / "old"), str(tmp_path / "new"), "--fields"])
+    assert r.exit_code == 0, r.output
+    assert "1 added, 1 removed, 1 changed" in r.output.replace("\n", " ")
+    old, new = ex.load_table_path(tmp_path / "old"), ex.load_table_path(tmp_path / "new")
+    rows = ex.diff_tables(old, new)
+    assert [x.change for x in rows] == ["removed", "changed", "added"]
+    ch = rows[1]
+    assert ch.metric_change == pytest.approx(1.1 / 1.5 - 1)
+    assert "metric" in ex.changed_fields(ch.old, ch.new)
+
+
+def test_sample_entries_deterministic():
+    xs = list(range(10))
+    assert sample_entries(xs, 3) == [0, 3, 6]
+    assert sample_entries(xs, None) == xs and sample_entries(xs, 20) == xs
+
+
+def test_vmem_limit_recorded_only_when_not_the_kernel_default():
+    from kernel.api import default_case_vmem_limit
+    k = key()
+    bs = _other_bs(k)
+    default = default_case_vmem_limit(bs, generation=k.generation, num_q_heads=k.num_q_heads,
+                                      num_kv_heads=k.num_kv_heads, head_dim=k.head_dim, page_size=k.page_size,
+                                      q_dtype=k.q_dtype, kv_dtype=k.kv_dtype)
+    for evaluated, want in ((None, None), (default, None), (default + (8 << 20), default + (8 << 20))):
+        rows = [row(k, H(k), 1e-4), row(k, bs, 0.5e-4, vmem_limit_bytes=evaluated)]
+        (rep,) = _one(rows)
+        assert rep.entry.vmem_limit_bytes == want
+
+
+def test_store_layout_hidden_dirs_and_source_hash(tmp_path):
+    k = key()
+    rows = [row(k, H(k), 1e-4, kernel_source_hash="feedbeef"), row(k, _other_bs(k), 0.5e-4, kernel_source_hash="feedbeef")]
+    write_results(tmp_path / "res", rows)
+    write_results(tmp_path / "res" / ".tmp", [row(k, _other_bs(k, 1), 1e-9)])     # unfinished: ignored
+    t, _ = ex.build_tables(ex.read_results([tmp_path / "res"]))
+    (e,) = t["v6e"].entries
+    assert tuple(e.block_sizes) == _other_bs(k) and e.provenance["kernel_hash"] == "feedbeef"
+
+
+def test_compact_results_keeps_rows(tmp_path):
+    rows = _sweep_rows(KEYS, gains=[0.1] * len(KEYS))
+    for r in rows:
+        write_results(tmp_path / "res", [r])
+    _export(tmp_path / "res", tmp_path / "before")
+    ex.compact_results(tmp_path / "res")
+    assert [p.name for p in (tmp_path / "res").iterdir()] == ["results.parquet"]
+    write_results(tmp_path / "res", [rows[0]])      # a later sweep appends next to it
+    _export(tmp_path / "res", tmp_path / "after")
+    for n in ("v5e.json", "v6e.json"):
+        assert (tmp_path / "before" / n).read_bytes() == (tmp_path / "after" / n).read_bytes()

@@ -1,0 +1,81 @@
+"""The shipped tables: they load, mirror their Parquet, match their results, and compile."""
+import logging
+from pathlib import Path
+
+import pytest
+
+from kernel import bringup
+from kernel import tables as kt
+
+TABLES = Path(__file__).resolve().parent.parent / "tables"
+FILES = sorted(TABLES.glob("*.json")) if TABLES.is_dir() else []
+SAMPLE_PER_FILE = 2          # default suite; `-m slow` compiles every entry
+
+
+def test_tables_are_shipped():
+    assert FILES, f"no tables shipped in {TABLES}"
+    assert kt.shipped_table_dir() == TABLES
+
+
+@pytest.mark.parametrize("path", FILES, ids=[p.name for p in FILES])
+def test_table_file_loads_and_mirrors(path):
+    t = kt.Table.read(path)
+    assert len(t) > 0
+    assert t.to_json_text() == path.read_text(), "not in canonical form: re-export it"
+    assert {e.key.generation for e in t.entries} == {path.stem}
+    assert kt.Table.read(path.with_suffix(".parquet")) == t
+    for e in t.entries:
+        assert e.method in ("estimate", "measured") and e.unit == "s"
+        assert e.provenance["kernel_hash"] and e.provenance["libtpu_version"] and e.provenance["date"]
+        if e.promoted:
+            assert e.heuristic_metric is not None or "failed" in e.decision
+            assert e.gain is None or e.gain > e.margin
+
+
+def test_shipped_tables_load_without_problems(monkeypatch, caplog):
+    for var in ("RPA_TABLE", "RPA_SHIPPED_TABLES", "RPA_TABLE_STRICT"):
+        monkeypatch.delenv(var, raising=False)
+    caplog.set_level(logging.WARNING, logger="kernel.tables")
+    state = kt.load_tables()
+    assert len(state.index) == sum(len(kt.Table.read(p)) for p in FILES)
+    # only staleness warnings are acceptable (the kernel may have changed since tuning)
+    for msg in state.warnings:
+        assert "tuned for kernel source hash" in msg or "tuned with libtpu" in msg, msg
+
+
+def test_committed_results_reproduce_the_tables():
+    """CI's `rpa-tune export --results tables/results --out tables --check`."""
+    from rpa_tune.export import build_tables, check_tables, read_results
+    results = TABLES / "results"
+    assert results.is_dir(), "the results behind the shipped tables are not committed"
+    tables, _ = build_tables(read_results([results]))
+    assert sorted(tables) == sorted(p.stem for p in FILES)
+    problems = check_tables(tables, TABLES)
+    assert not problems, "\n".join(f"{p.file}: {p.problem}\n{p.diff}" for p in problems)
+
+
+def _sample(n):
+    out = []
+    for p in FILES:
+        entries = list(kt.Table.read(p).entries)
+        promoted = [e for e in entries if e.promoted] or entries
+        from rpa_tune.cli_tables import sample_entries
+        out.extend(sample_entries(promoted, n))
+    return out
+
+
+def _verify(entries):
+    results = bringup.verify_entries(entries, progress=False)
+    bad = [(e.key.id(), tuple(e.block_sizes), v.error) for e, v in results if v.status != "compiled"]
+    assert not bad, bad
+    for e, v in results:
+        assert v.block_sizes[0][1] == e.block_sizes
+
+
+def test_sample_of_shipped_entries_compiles_deviceless():
+    _verify(_sample(SAMPLE_PER_FILE))
+
+
+@pytest.mark.slow
+def test_every_shipped_entry_compiles_deviceless():
+    _verify(_sample(None))

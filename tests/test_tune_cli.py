@@ -1,0 +1,152 @@
+"""The `rpa-tune` console script: input errors (exit 2, one line, nothing written), help,
+shell completion, dry runs, and show / verify on a (fake-evaluated) results store."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+TESTS = str(Path(__file__).resolve().parent)
+RPA_TUNE = str(Path(sys.executable).with_name("rpa-tune"))
+
+
+def run(args, env=None, timeout=300):
+    e = dict(os.environ)
+    e.update(env or {})
+    return subprocess.run([RPA_TUNE, *args], capture_output=True, text=True, env=e, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def bad_workload(tmp_path_factory):
+    f = tmp_path_factory.mktemp("w") / "too_long.json"
+    f.write_text(json.dumps([{"q_len": 1, "kv_len": 50000}]))
+    return f
+
+
+@pytest.mark.parametrize("args,needles", [
+    (["--tpu", "v9"], ["unknown TPU 'v9'", "v4, v5e, v5p, v6e, tpu7x"]),
+    (["--tpu", "v6e", "--model", "llama4-fake"], ["unknown model preset 'llama4-fake'", "llama3-8b", "gemma2-9b"]),
+    (["--tpu", "v6e", "--case", "training"], ["unknown case 'training'", "decode, prefill, mixed, all"]),
+    (["--tpu", "v6e", "--backend", "gpu"], ["unknown backend 'gpu'", "auto, tpu, compile, interpret"]),
+    (["--tpu", "v6e", "--q-heads", "30", "--kv-heads", "8", "--head-dim", "128"],
+     ["--q-heads 30 is not a multiple of --kv-heads 8"]),
+    (["--tpu", "v6e", "--q-heads", "8", "--kv-heads", "8", "--head-dim", "96"],
+     ["--head-dim 96 is not supported", "64, 128, 256"]),
+    (["--tpu", "v6e", "--q-heads", "8"], ["needs --q-heads, --kv-heads and --head-dim together"]),
+    (["--tpu", "v6e", "--kv-dtype", "int4"], ["unknown --kv-dtype 'int4'", "bfloat16, float8_e4m3fn"]),
+    (["--tpu", "v6e", "--page-size", "96"], ["--page-size 96 must be a power of two"]),
+    (["--tpu", "v6e", "--max-model-len", "64"], ["--max-model-len 64 is smaller than --page-size 128"]),
+    (["--tpu", "v6e", "--search", "bayes"], ["unknown search 'bayes'", "grid, random, tpe"]),
+    (["--tpu", "v6e", "--context", "zipf:2"], ["unknown context distribution 'zipf:2'"]),
+    (["--tpu", "v6e", "--backend", "tpu"], ["--backend tpu needs a TPU v6e here, found no TPU"]),
+])
+def test_bad_input_exits_2_with_one_line_and_writes_nothing(tmp_path, args, needles):
+    res = tmp_path / "results"
+    r = run(["sweep", *args, "--results", str(res)])
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    lines = [l for l in r.stderr.splitlines() if l.strip()]
+    assert len(lines) == 1 and lines[0].startswith("rpa-tune: error: "), r.stderr
+    for n in needles:
+        assert n in lines[0]
+    assert "Traceback" not in r.stderr + r.stdout
+    assert not res.exists(), "nothing may be written on bad input"
+
+
+def test_impossible_workload_file(tmp_path, bad_workload):
+    res = tmp_path / "results"
+    r = run(["sweep", "--tpu", "v6e", "--workload", str(bad_workload), "--results", str(res)])
+    assert r.returncode == 2 and r.stderr.count("\n") == 1
+    assert "kv_len 50000 > max_model_len=8192" in r.stderr
+    assert not res.exists()
+
+
+@pytest.mark.parametrize("command,options", [
+    ("sweep", ["--tpu", "--case", "--model", "--q-heads", "--kv-heads", "--head-dim", "--dtype", "--kv-dtype",
+               "--page-size", "--max-num-tokens", "--max-num-seqs", "--max-model-len", "--workload", "--backend",
+               "--search", "--budget", "--jobs", "--timeout", "--results", "--space", "--seed", "--patience"]),
+    ("show", ["--results", "--tpu", "--case", "--backend", "--top"]),
+    ("verify", ["--results", "--tpu", "--case", "--top", "--jobs", "--timeout"]),
+    ("doctor", ["--quick", "--tpu"]),
+])
+def test_help_explains_every_option(command, options):
+    r = run([command, "--help"], env={"COLUMNS": "250"})
+    assert r.returncode == 0
+    for o in options:
+        assert o in r.stdout, o
+    if command == "sweep":
+        for default in ("[default: decode]", "[default: llama3-8b]", "[default: 128]", "[default: 2048]",
+                        "[default: 8192]", "[default: auto]", "[default: tpe]", "[default: 20]", "[default: 2]",
+                        "[default: 900.0]", "[default: results]", "Default: from --model"):
+            assert default in r.stdout, default
+
+
+def test_shell_completion():
+    env = {"_RPA_TUNE_COMPLETE": "complete_bash", "COMP_WORDS": "rpa-tune sweep --tpu v", "COMP_CWORD": "3"}
+    r = run([], env=env)
+    assert r.stdout.split() == ["v4", "v5e", "v5p", "v6e"]
+    env.update(COMP_WORDS="rpa-tune sweep --model llama3", COMP_CWORD="3")
+    assert run([], env=env).stdout.split() == ["llama3-8b", "llama3-70b-tp8", "llama3.2-1b"]
+
+
+def test_dry_run_plans_without_writing(tmp_path):
+    res = tmp_path / "results"
+    r = run(["sweep", "--tpu", "v6e", "--case", "decode", "--dry-run", "--results", str(res)], env={"COLUMNS": "200"})
+    assert r.returncode == 0, r.stderr
+    assert "18 candidates of 48" in r.stderr and "(1, 4096, 1, 1024)" in r.stdout
+    assert not res.exists()
+
+
+@pytest.fixture(scope="module")
+def fake_results(tmp_path_factory):
+    """A results dir filled by a real CLI sweep whose workers use the fake evaluator."""
+    res = tmp_path_factory.mktemp("cli") / "results"
+    env = {"RPA_TUNE_EVALUATOR_OVERRIDE": "tune_fakes:make_evaluator", "RPA_TUNE_KERNEL_HASH": "cli-test",
+           "PYTHONPATH": TESTS + os.pathsep + os.environ.get("PYTHONPATH", ""), "COLUMNS": "250"}
+    r = run(["sweep", "--tpu", "v6e", "--case", "decode", "--backend", "compile", "--results", str(res)], env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "18 evaluated" in r.stdout and "best (1, 1024, 1, 256)" in r.stdout
+    return res, env
+
+
+def test_show_prints_winners(fake_results):
+    res, env = fake_results
+    r = run(["show", "--results", str(res)], env=env)
+    assert r.returncode == 0, r.stderr
+    assert "(1, 1024, 1, 256)" in r.stdout and "ok 18" in r.stdout and "x1.50" in r.stdout
+    r = run(["show", "--results", str(res), "--top", "3"], env=env)
+    assert "(1, 1024, 1, 512)" in r.stdout and "heuristic" in r.stdout
+    r = run(["show", "--results", str(res), "--tpu", "v5e"], env=env)
+    assert r.returncode == 1 and "no matching results" in r.stderr
+    r = run(["show", "--results", str(res), "--tpu", "v9"], env=env)
+    assert r.returncode == 2 and "unknown TPU 'v9'" in r.stderr
+
+
+def test_verify_marks_wrong_results_and_they_never_win(fake_results):
+    """A deliberately corrupted output path (test hook) makes the winner wrong_result;
+    `show` then picks the next config."""
+    res, env = fake_results
+    r = run(["verify", "--results", str(res), "--jobs", "1"],
+            env=dict(env, RPA_TUNE_TEST_CORRUPT="bq1_bkv1024_cq1_ckv256", RPA_TUNE_EVALUATOR_OVERRIDE=""))
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "wrong_result" in r.stdout and "outputs off" in r.stdout
+    shown = run(["show", "--results", str(res)], env=env)
+    assert "(1, 1024, 1, 256)" not in shown.stdout
+    assert "1 wrong excluded" in shown.stdout
+    assert "(1, 1024, 1, 512)" in shown.stdout or "(1, 1024, 1, 128)" in shown.stdout
+    # the next winner is verified clean
+    r = run(["verify", "--results", str(res), "--jobs", "1"], env=dict(env, RPA_TUNE_EVALUATOR_OVERRIDE=""))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "matches the reference" in r.stdout
+
+
+def test_doctor_quick_reports_versions_backends_and_cache():
+    r = run(["doctor", "--quick"], env={"COLUMNS": "200"})
+    assert r.returncode == 0, r.stderr
+    import jax
+    for needle in ("jax", jax.__version__, "libtpu", "backend tpu", "backend compile", "backend auto",
+                   "cache: tpu backend workers"):
+        assert needle in r.stdout, needle
+    if not Path("/dev/accel0").exists() and not list(Path("/dev").glob("vfio/[0-9]*")):
+        assert "unavailable" in r.stdout and "compile (for --tpu v6e)" in r.stdout

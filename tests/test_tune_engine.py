@@ -1,0 +1,158 @@
+"""The sweep engine with real worker processes and a fake evaluator (tests/tune_fakes.py):
+crashes, hangs and errors are recorded without stopping the sweep; resume after a real
+``kill -9`` of a real ``rpa-tune sweep`` process re-evaluates nothing that finished."""
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from kernel.config import BlockSizes, TuningKey
+from kernel.workload import ServingLimits
+from rpa_tune.engine import SweepSpec, plan_sweep, run_sweep
+from rpa_tune.presets import get_preset
+from rpa_tune.space import load_space
+from rpa_tune.store import ResultStore
+from rpa_tune.workloads import make_workload
+from tune_fakes import fake_metric
+
+TESTS = str(Path(__file__).resolve().parent)
+RPA_TUNE = str(Path(sys.executable).with_name("rpa-tune"))
+LIM = ServingLimits(page_size=128, max_num_tokens=2048, max_num_seqs=128, max_model_len=8192)
+MODEL = get_preset("llama3-8b").model()
+
+
+@pytest.fixture
+def fake(monkeypatch, tmp_path):
+    monkeypatch.setenv("RPA_TUNE_EVALUATOR_OVERRIDE", "tune_fakes:make_evaluator")
+    monkeypatch.setenv("PYTHONPATH", TESTS + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    monkeypatch.setenv("RPA_TUNE_KERNEL_HASH", "pinned-for-tests")   # other people may edit kernel/ meanwhile
+    log = tmp_path / "evaluated.log"
+    monkeypatch.setenv("RPA_TUNE_FAKE_LOG", str(log))
+    monkeypatch.delenv("RPA_TUNE_FAKE_BEHAVIOUR", raising=False)
+    monkeypatch.delenv("RPA_TUNE_FAKE_DELAY", raising=False)
+    return log
+
+
+def spec(case="decode", **kw):
+    w, desc = make_workload(case, LIM)
+    key = TuningKey("v6e", case, MODEL.q_dtype, MODEL.kv_dtype, MODEL.num_q_heads, MODEL.num_kv_heads,
+                    MODEL.head_dim, LIM.page_size, LIM.max_num_tokens, LIM.max_model_len)
+    args = dict(backend="compile", search="grid", budget=100, jobs=2, timeout=30)
+    args.update(kw)
+    return SweepSpec(key=key, model=MODEL, limits=LIM, workload=w, workload_desc=desc,
+                     case_space=load_space("v6e").for_case(case), **args)
+
+
+def evaluated(log: Path) -> list[str]:
+    return log.read_text().split() if log.exists() else []
+
+
+def test_crash_hang_error_oom_are_recorded_and_the_sweep_goes_on(fake, monkeypatch, tmp_path):
+    monkeypatch.setenv("RPA_TUNE_FAKE_BEHAVIOUR", "bq1_bkv256_cq1_ckv128=crash;bq1_bkv512_cq1_ckv128=hang;"
+                       "bq1_bkv2048_cq1_ckv256=raise;bq1_bkv4096_cq1_ckv512=oom;bq1_bkv128_cq1_ckv128=exit")
+    store = ResultStore(tmp_path / "res")
+    s = spec(timeout=3)
+    t0 = time.monotonic()
+    o = run_sweep(s, store)
+    assert time.monotonic() - t0 < 90
+    df = store.read()
+    n = len(plan_sweep(s).candidates)
+    assert n == 18 and len(df) == n and o.evaluated == n
+    by = {(r.bkv, r.ckv): r for r in df.itertuples()}
+    assert by[(256, 128)].status == "crash" and "signal 6" in by[(256, 128)].message
+    assert by[(128, 128)].status == "crash" and "exit code 3" in by[(128, 128)].message
+    assert by[(512, 128)].status == "timeout" and "--timeout 3" in by[(512, 128)].message
+    assert by[(2048, 256)].status == "compile_error" and "fake evaluator failure" in by[(2048, 256)].message
+    assert by[(4096, 512)].status == "vmem_oom" and by[(4096, 512)].vmem_reported_bytes == 123 << 20
+    assert o.counts == {"ok": 13, "vmem_oom": 1, "compile_error": 1, "timeout": 1, "wrong_result": 0, "crash": 2}
+    assert (o.best["bkv"], o.best["ckv"]) == (1024, 256)
+    assert df[df.status != "ok"].metric.isna().all(), "failed configs carry no metric"
+    # provenance on every row
+    for col in ("jax_version", "jaxlib_version", "libtpu_version", "git_sha", "timestamp", "device_kind"):
+        assert df[col].notna().all() or col == "device_kind", col
+    assert (df.kernel_hash == "pinned-for-tests").all()
+    # no worker survives the sweep
+    time.sleep(0.5)
+    assert not _workers_of(os.getpid())
+
+
+def test_resume_skips_everything_recorded_and_retry_reruns_a_status(fake, monkeypatch, tmp_path):
+    monkeypatch.setenv("RPA_TUNE_FAKE_BEHAVIOUR", "bq1_bkv512_cq1_ckv128=oom")
+    store = ResultStore(tmp_path / "res")
+    first = run_sweep(spec(), store)
+    assert first.evaluated == 18 and first.resumed == 0
+    again = run_sweep(spec(), store)
+    assert again.evaluated == 0 and again.resumed == 18
+    assert (again.best["bkv"], again.best["ckv"]) == (first.best["bkv"], first.best["ckv"])
+    assert len(evaluated(fake)) == 18
+    monkeypatch.delenv("RPA_TUNE_FAKE_BEHAVIOUR")
+    retried = run_sweep(spec(retry=("vmem_oom",)), store)
+    assert retried.evaluated == 1 and evaluated(fake)[-1] == "bq1_bkv512_cq1_ckv128"
+    assert store.recorded()[retried.best["config_id"]]["status"] == "ok"
+
+
+def test_budget_and_tpe_resume(fake, tmp_path):
+    store = ResultStore(tmp_path / "res")
+    a = run_sweep(spec("prefill", search="tpe", budget=8, jobs=1, patience=0), store)
+    assert a.evaluated == 8
+    b = run_sweep(spec("prefill", search="tpe", budget=12, jobs=1, patience=0), store)
+    assert b.resumed == 8 and b.evaluated == 4, "a larger budget continues the same TPE sequence"
+    c = run_sweep(spec("prefill", search="tpe", budget=12, jobs=1, patience=0), ResultStore(tmp_path / "fresh"))
+    assert evaluated(fake)[-12:] == evaluated(fake)[:12], "same seed, same order"
+    assert c.best["metric"] == b.best["metric"]
+
+
+def _workers_of(parent_pid: int) -> list[int]:
+    out = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            cmd = (d / "cmdline").read_bytes().split(b"\0")
+            env = (d / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"rpa_tune.worker" in cmd and f"RPA_TUNE_PARENT_PID={parent_pid}".encode() in env:
+            out.append(int(d.name))
+    return out
+
+
+def test_kill_9_of_a_real_sweep_then_resume(fake, tmp_path):
+    """Start `rpa-tune sweep`, SIGKILL it mid-sweep, rerun: nothing finished is lost or redone."""
+    res = tmp_path / "res"
+    env = dict(os.environ, RPA_TUNE_FAKE_DELAY="0.7")
+    cmd = [RPA_TUNE, "sweep", "--tpu", "v6e", "--case", "decode", "--backend", "compile", "--search", "grid",
+           "--jobs", "2", "--results", str(res)]
+    p = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and len(list(res.glob("*.parquet"))) < 5:
+        time.sleep(0.05)
+    assert len(list(res.glob("*.parquet"))) >= 5, "the sweep did not get going"
+    workers = _workers_of(p.pid)
+    assert workers, "the sweep runs its evaluations in worker processes"
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait(timeout=30)
+    before = ResultStore(res).read()
+    done_before = set(before.config_id)
+    assert 5 <= len(before) < 18
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and any(Path(f"/proc/{w}").exists() for w in workers):
+        time.sleep(0.1)
+    assert not any(Path(f"/proc/{w}").exists() and b"rpa_tune.worker" in Path(f"/proc/{w}/cmdline").read_bytes()
+                   for w in workers), "workers die with the killed sweep"
+    n_eval_before = len(evaluated(fake))
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    after = ResultStore(res).read()
+    assert len(after) == 18 and after.config_id.is_unique, "every config exactly once"
+    assert done_before <= set(after.config_id), "nothing recorded before the kill was lost"
+    redone = evaluated(fake)[n_eval_before:]
+    assert len(redone) == 18 - len(done_before), "finished configs were not evaluated again"
+    assert f"{len(done_before)} already recorded" in r.stdout
+    best = after[after.status == "ok"].sort_values("metric").iloc[0]
+    assert (best.bkv, best.ckv) == (1024, 256)
+    assert fake_metric(BlockSizes(1, 1024, 1, 256)) == pytest.approx(best.metric)

@@ -1,0 +1,201 @@
+"""Evaluators: backend selection, timing statistics (fake timer, synthetic profile), the VMEM
+limit policy and pre-filter against real deviceless compiles, interpret correctness."""
+import os
+
+import pytest
+
+from kernel.config import GENERATIONS, BlockSizes, Case
+from kernel.workload import ModelShape, ServingLimits, Workload
+from rpa_tune import cli, prefilter
+from rpa_tune.evaluators import base, tpu
+from rpa_tune.evaluators.base import Task
+from rpa_tune.evaluators.compile import CompileEvaluator
+from rpa_tune.evaluators.interpret import CORRUPT_ENV, InterpretEvaluator
+
+LLAMA = ModelShape(32, 8, 128)
+MiB = 1 << 20
+
+
+# ----------------------------------------------------------------- backend selection
+@pytest.mark.parametrize("probe,gen,want", [
+    ({"platform": "cpu", "device_kind": "cpu", "count": 0}, "v6e", "compile"),
+    ({"platform": "tpu", "device_kind": "TPU v6 lite", "count": 4}, "v6e", "tpu"),
+    ({"platform": "tpu", "device_kind": "TPU v5 lite", "count": 4}, "v6e", "compile"),
+    ({"platform": "tpu", "device_kind": "TPU7x", "count": 4}, "tpu7x", "tpu"),
+    ({"platform": "unknown", "device_kind": None, "count": 0}, "v5p", "compile"),
+])
+def test_auto_picks_tpu_only_for_the_requested_generation(monkeypatch, probe, gen, want):
+    monkeypatch.setattr(tpu, "probe_devices", lambda timeout=180: probe)
+    got, why = cli._resolve_backend("auto", gen)
+    assert got == want and why.startswith("auto")
+
+
+def test_tpu_backend_requires_that_tpu(monkeypatch):
+    monkeypatch.setattr(tpu, "probe_devices", lambda timeout=180: {"platform": "tpu", "device_kind": "TPU v5 lite"})
+    with pytest.raises(cli.UsageError, match="needs a TPU v6e here, found TPU v5e"):
+        cli._resolve_backend("tpu", "v6e")
+    assert cli._resolve_backend("tpu", "v5e")[0] == "tpu"
+    assert cli._resolve_backend("compile", "v5e") == ("compile", "requested")
+
+
+def test_no_tpu_on_this_machine_without_device_nodes():
+    if tpu._accelerator_nodes():
+        pytest.skip("this machine has accelerator device nodes")
+    p = tpu.probe_devices()
+    assert p["platform"] == "cpu" and not p["probed"] and tpu.tpu_generation_present(p) is None
+
+
+# ------------------------------------------------------------------ timing statistics
+def test_time_calls_with_a_fake_timer():
+    clock = [0.0]
+    durations = [9.0, 9.0] + [0.02] + [0.01 * (1 + i % 5) for i in range(200)]   # 2 warm-ups first
+    calls = []
+
+    def step():
+        d = durations.pop(0)
+        calls.append(d)
+        clock[0] += d
+
+    times = tpu.time_calls(step, warmup=2, timer=lambda: clock[0])
+    assert calls[:2] == [9.0, 9.0], "warm-up calls run but are not timed"
+    assert 9.0 not in times
+    assert len(times) == tpu.iterations_for(0.02) == 50     # 1 s target / 20 ms first call
+    assert times == pytest.approx(calls[2:])
+    st = tpu.summarize_times(times)
+    assert st.samples == 50 and st.median == pytest.approx(0.03)
+    assert st.q25 == pytest.approx(0.02) and st.q75 == pytest.approx(0.04)
+    assert st.spread == pytest.approx((0.04 - 0.02) / 0.03)
+
+
+def test_iteration_bounds_and_bad_samples():
+    assert tpu.iterations_for(10.0) == tpu.MIN_ITERS
+    assert tpu.iterations_for(1e-7) == tpu.MAX_ITERS
+    with pytest.raises(ValueError):
+        tpu.summarize_times([])
+    with pytest.raises(ValueError):
+        tpu.summarize_times([1.0, float("nan")])
+
+
+def test_device_times_from_a_profile_trace():
+    from jax.profiler import ProfileData
+    ev = lambda mid, off, dur: f"events {{ metadata_id: {mid} offset_ps: {off} duration_ps: {dur} }}"
+    text = f"""
+    planes {{ id: 1 name: "/device:TPU:1" lines {{ id: 1 name: "XLA Ops" {ev(1, 0, 99000000)} }}
+              event_metadata {{ key: 1 value {{ id: 1 name: "rpa_decode_bq1_bkv512_cq1_ckv256" }} }} }}
+    planes {{ id: 2 name: "/device:TPU:0"
+      lines {{ id: 1 name: "XLA Modules" {ev(3, 0, 50000000)} }}
+      lines {{ id: 2 name: "XLA Ops" {ev(1, 0, 5000000)} {ev(2, 6000000, 1000000)} {ev(1, 9000000, 7000000)} }}
+      event_metadata {{ key: 1 value {{ id: 1 name: "rpa_decode_bq1_bkv512_cq1_ckv256.3" }} }}
+      event_metadata {{ key: 2 value {{ id: 2 name: "copy.3" }} }}
+      event_metadata {{ key: 3 value {{ id: 3 name: "jit_fn" }} }} }}
+    planes {{ id: 3 name: "/host:CPU" }}
+    """
+    prof = ProfileData.from_text_proto(text)
+    assert tpu.device_times_from_profile(prof, "rpa_decode_bq1_bkv512_cq1_ckv256") == pytest.approx([5e-6, 7e-6])
+    assert tpu.device_times_from_profile(prof, "rpa_prefill") == []
+
+
+def test_tpu_evaluator_refuses_to_time_without_a_tpu():
+    t = Task("tpu", "v6e", "decode", ModelShape(4, 1, 128), ServingLimits(page_size=16, max_num_tokens=16,
+             max_num_seqs=4, max_model_len=256), Workload.of_case("decode", [1], [10]), BlockSizes(1, 32, 1, 16))
+    r = tpu.TpuEvaluator().evaluate(t)
+    assert r.status == "compile_error" and "no TPU here" in r.message
+
+
+# ------------------------------------------------------------------ VMEM policy
+def test_vmem_limit_policy():
+    assert base.initial_vmem_limit(4 * MiB, 128 * MiB) == 16 * MiB
+    assert base.initial_vmem_limit(60 * MiB, 128 * MiB) == 64 * MiB       # the kernel's default: <= capacity / 2
+    new = base.raised_vmem_limit(int(72.14 * MiB), 64 * MiB, 128 * MiB)
+    assert new % MiB == 0 and 72.14 * MiB * 1.05 < new <= 78 * MiB
+    assert base.raised_vmem_limit(130 * MiB, 64 * MiB, 128 * MiB) is None   # over the capacity: hopeless
+    assert base.raised_vmem_limit(127 * MiB, 100 * MiB, 128 * MiB) == 128 * MiB
+    assert base.raised_vmem_limit(10 * MiB, 16 * MiB, 128 * MiB) is None    # already enough
+
+
+def test_compile_evaluator_raises_the_limit_when_the_compiler_asks():
+    """(1, 8192, 1, 2048) on v6e needs ~72 MiB of scoped VMEM: over the kernel's default
+    limit (64 MiB), under the capacity. The compile backend retries with a raised limit."""
+    lim = ServingLimits(page_size=128, max_num_tokens=512, max_num_seqs=16, max_model_len=8192)
+    w = Workload.of_case("decode", [1] * 4, [3000] * 4)
+    bs = BlockSizes(1, 8192, 1, 2048)
+    t = Task("compile", "v6e", "decode", LLAMA, lim, w, bs, timeout=600,
+             vmem_predicted_bytes=prefilter.predicted_bytes(LLAMA, lim, bs))
+    r = CompileEvaluator(profile=False).evaluate(t)
+    assert r.status == "ok", r.message
+    assert 64 * MiB < r.vmem_limit_bytes <= 128 * MiB and "retried with" in r.message
+
+
+def _borderline_reject(gen, case, model, limits):
+    """The config of a wide space whose prediction is the smallest one still rejected."""
+    if case == Case.DECODE:
+        cands = [BlockSizes(1, 128 * k, 1, c) for k in range(1, 400) for c in (512, 1024, 2048) if (128 * k) % c == 0]
+    else:
+        cands = [BlockSizes(bq, bkv, bq // 2, ckv) for bq in (128, 256, 512) for bkv in (1024, 2048, 4096, 8192)
+                 for ckv in (512, 1024) if bkv % ckv == 0]
+    rejected = [(prefilter.predicted_bytes(model, limits, bs), bs) for bs in cands
+                if prefilter.rejects(prefilter.predicted_bytes(model, limits, bs), gen)]
+    return min(rejected)
+
+
+@pytest.mark.parametrize("gen", sorted(GENERATIONS))
+def test_prefilter_never_rejects_a_config_the_compiler_accepts(gen):
+    """The pre-filter's borderline rejection (the smallest predicted size it rejects)
+    does not compile even at the most permissive limit (the chip's VMEM capacity);
+    a control config it accepts does compile."""
+    lim = ServingLimits(page_size=128, max_num_tokens=512, max_num_seqs=8, max_model_len=8192)
+    pred, bs = _borderline_reject(gen, Case.DECODE, LLAMA, lim)
+    v = prefilter.compiler_verdict(LLAMA, lim, gen, "decode", bs)
+    assert v["status"] == "vmem_oom", (bs, pred, v)
+    control = prefilter.compiler_verdict(LLAMA, lim, gen, "decode", BlockSizes(1, 256, 1, 128))
+    assert control["status"] == "ok", control
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("gen", sorted(GENERATIONS))
+def test_prefilter_borderline_prefill_and_mixed(gen):
+    lim = ServingLimits(page_size=128, max_num_tokens=1024, max_num_seqs=8, max_model_len=8192)
+    model = ModelShape(16, 8, 256)
+    for case in (Case.PREFILL, Case.MIXED):
+        pred, bs = _borderline_reject(gen, case, model, lim)
+        v = prefilter.compiler_verdict(model, lim, gen, case, bs)
+        assert v["status"] == "vmem_oom", (case, bs, pred, v)
+
+
+# ------------------------------------------------------------------ interpret
+def _small_task(case="decode", bs=(1, 64, 1, 32)):
+    return Task("interpret", "v6e", case, ModelShape(8, 2, 128), ServingLimits(page_size=16),
+                Workload.of_case(case, [1], [1]), BlockSizes(*bs))
+
+
+def test_interpret_evaluator_ok_and_wrong_result(monkeypatch):
+    ev = InterpretEvaluator()
+    ok = ev.evaluate(_small_task("prefill", (16, 64, 8, 32)))
+    assert ok.status == "ok" and "matches the reference" in ok.message
+    monkeypatch.setenv(CORRUPT_ENV, BlockSizes(1, 64, 1, 32).label())
+    bad = ev.evaluate(_small_task())
+    assert bad.status == "wrong_result" and "outputs off" in bad.message and bad.metric is None
+    other = ev.evaluate(_small_task("decode", (1, 32, 1, 32)))
+    assert other.status == "ok", "only the chosen config is corrupted"
+
+
+# ------------------------------------------------------------------ static estimate
+@pytest.mark.slow
+def test_estimate_grows_with_context_and_sequences():
+    """The compile backend's metric follows the workload: 4x the context or 4x the
+    sequences gives a clearly larger time (memory traffic grows ~4x)."""
+    lim = ServingLimits(page_size=128, max_num_tokens=512, max_num_seqs=64, max_model_len=8192)
+    bs = BlockSizes(1, 1024, 1, 256)
+    ev = CompileEvaluator()
+
+    def metric(n, kv):
+        t = Task("compile", "v6e", "decode", LLAMA, lim, Workload.of_case("decode", [1] * n, [kv] * n), bs,
+                 timeout=1800, vmem_predicted_bytes=prefilter.predicted_bytes(LLAMA, lim, bs))
+        r = ev.evaluate(t)
+        assert r.status == "ok", r.message
+        return r
+
+    base_r, long_r, many_r = metric(8, 1024), metric(8, 4096), metric(32, 1024)
+    assert long_r.cycles > 2 * base_r.cycles and many_r.cycles > 2 * base_r.cycles
+    assert long_r.metric > 2 * base_r.metric and many_r.metric > 2 * base_r.metric
+    assert base_r.active_bound in ("estimate", "memory", "compute")

@@ -1,0 +1,105 @@
+"""Search strategies: determinism, coverage, TPE's handling of infeasible configs, early stop."""
+import math
+
+import pytest
+
+from kernel.config import BlockSizes
+from kernel.workload import ServingLimits
+from rpa_tune.presets import get_preset
+from rpa_tune.search import GridSearch, RandomSearch, TpeSearch, make_search
+from rpa_tune.space import context, enumerate_space, load_space
+from tune_fakes import fake_metric
+
+LIM = ServingLimits(page_size=128, max_num_tokens=2048, max_num_seqs=128, max_model_len=8192)
+PREFILL = enumerate_space(load_space("v6e").for_case("prefill"),
+                          context(get_preset("llama3-8b").model(), LIM, "v6e")).candidates
+DECODE = enumerate_space(load_space("v6e").for_case("decode"),
+                         context(get_preset("llama3-8b").model(), LIM, "v6e")).candidates
+
+
+def drive(search, budget, objective=fake_metric, infeasible=()):
+    """Sequential engine loop: returns the asked configs in order."""
+    asked = []
+    while len(asked) < budget and not search.should_stop():
+        bs = search.ask()
+        if bs is None:
+            break
+        asked.append(bs)
+        if bs in infeasible:
+            search.tell(bs, "vmem_oom", None)
+        else:
+            search.tell(bs, "ok", objective(bs))
+    return asked
+
+
+def test_grid_is_exhaustive_in_order_with_the_heuristic_first():
+    first = DECODE[7]
+    s = make_search("grid", DECODE, budget=100, first=first)
+    asked = drive(s, 100)
+    assert asked[0] == first and sorted(asked) == sorted(DECODE) and asked[1:] == [c for c in DECODE if c != first]
+
+
+def test_random_is_seeded():
+    a = drive(make_search("random", PREFILL, budget=400, seed=1), 400)
+    b = drive(make_search("random", PREFILL, budget=400, seed=1), 400)
+    c = drive(make_search("random", PREFILL, budget=400, seed=2), 400)
+    assert a == b and a != c
+    assert sorted(a) == sorted(PREFILL), "each candidate exactly once"
+
+
+def test_tpe_falls_back_to_grid_for_small_spaces():
+    s = make_search("tpe", DECODE, budget=len(DECODE))
+    assert isinstance(s, GridSearch) and "tpe -> grid" in s.fallback
+    assert isinstance(make_search("tpe", PREFILL, budget=20), TpeSearch)
+
+
+def test_tpe_is_deterministic_and_only_asks_candidates():
+    a = drive(make_search("tpe", PREFILL, budget=30, seed=5, patience=0), 30)
+    b = drive(make_search("tpe", PREFILL, budget=30, seed=5, patience=0), 30)
+    c = drive(make_search("tpe", PREFILL, budget=30, seed=6, patience=0), 30)
+    assert a == b and a != c
+    assert len(a) == 30 and len(set(a)) == 30
+    assert set(a) <= set(PREFILL)
+
+
+def test_tpe_prunes_infeasible_and_learns_from_outcomes():
+    first = PREFILL[0]
+    infeasible = {bs for bs in PREFILL if bs.bkv == 2048}
+    s = make_search("tpe", PREFILL, budget=40, seed=0, first=first, patience=0)
+    asked = drive(s, 40, infeasible=infeasible)
+    assert asked[0] == first, "the heuristic is evaluated first"
+    pruned = [t for t in s.study.trials if t.state.name == "PRUNED"]
+    assert pruned, "infeasible / non-candidate combinations are told as pruned"
+    # TPE concentrates on good regions: its second half is better than random picks on average
+    best = min(fake_metric(bs) for bs in PREFILL)
+    later = [fake_metric(bs) for bs in asked[20:] if bs not in infeasible]
+    mean_all = sum(fake_metric(bs) for bs in PREFILL) / len(PREFILL)
+    assert sum(later) / len(later) < mean_all
+    assert min(fake_metric(bs) for bs in asked) <= best * 1.3
+
+
+def test_tpe_stops_early_without_improvement():
+    s = make_search("tpe", PREFILL, budget=200, seed=0, patience=6)
+    asked = drive(s, 200, objective=lambda bs: 1e-3)      # flat: nothing ever improves
+    assert len(asked) == 7 and "no improvement" in s.stop_reason
+
+
+def test_resume_replay_reproduces_tpe_order():
+    """Resuming tells the recorded outcomes in ask order: the continuation equals an
+    uninterrupted run."""
+    full = drive(make_search("tpe", PREFILL, budget=25, seed=3, patience=0), 25)
+    s = make_search("tpe", PREFILL, budget=25, seed=3, patience=0)
+    part = drive(s, 12)
+    s2 = make_search("tpe", PREFILL, budget=25, seed=3, patience=0)
+    recorded = {bs: fake_metric(bs) for bs in part}
+    replay = []
+    while len(replay) < 25:
+        bs = s2.ask()
+        replay.append(bs)
+        s2.tell(bs, "ok", recorded.get(bs, fake_metric(bs)))
+    assert replay == full
+
+
+def test_unknown_search():
+    with pytest.raises(ValueError, match="unknown search 'annealing'"):
+        make_search("annealing", DECODE, budget=3)

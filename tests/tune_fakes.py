@@ -1,0 +1,59 @@
+"""Fake evaluators injected into rpa-tune workers by tests (``RPA_TUNE_EVALUATOR_OVERRIDE``).
+
+``RPA_TUNE_FAKE_BEHAVIOUR`` maps config labels to what happens when they are evaluated,
+``label=action;label=action``, action one of ``crash`` (the worker aborts: SIGABRT),
+``exit`` (the worker exits with code 3), ``hang`` (sleeps forever), ``oom`` (a VMEM OOM
+verdict), ``raise`` (the evaluator raises). ``RPA_TUNE_FAKE_DELAY`` seconds are spent
+on every evaluation. The metric is a deterministic function of the block sizes whose
+minimum is at ``bkv = 1024, ckv = 256`` (``bq = 64, cq = 16`` for prefill / mixed).
+``RPA_TUNE_FAKE_LOG``: a file to which every evaluated label is appended (one line each).
+"""
+from __future__ import annotations
+
+import math
+import os
+import time
+
+from rpa_tune.evaluators.base import OK, VMEM_OOM, EvalResult, Evaluator
+
+
+def fake_metric(bs) -> float:
+    m = 1.0 + abs(math.log2(bs.bkv / 1024)) + 0.5 * abs(math.log2(bs.ckv / 256))
+    if bs.bq > 1:
+        m += 0.3 * abs(math.log2(bs.bq / 64)) + 0.2 * abs(math.log2(bs.cq / 16))
+    return m * 1e-4
+
+
+class FakeEvaluator(Evaluator):
+    name = "fake"
+    method = "estimate"
+    version = "1"
+
+    def evaluate(self, task):
+        label = task.bs.label()
+        log = os.environ.get("RPA_TUNE_FAKE_LOG")
+        if log:
+            with open(log, "a") as f:
+                f.write(label + "\n")
+        actions = dict(item.split("=", 1) for item in os.environ.get("RPA_TUNE_FAKE_BEHAVIOUR", "").split(";")
+                       if "=" in item)
+        time.sleep(float(os.environ.get("RPA_TUNE_FAKE_DELAY", "0")))
+        action = actions.get(label)
+        if action == "crash":
+            os.abort()
+        if action == "exit":
+            os._exit(3)
+        if action == "hang":
+            time.sleep(10_000)
+        if action == "raise":
+            raise RuntimeError("fake evaluator failure")
+        if action == "oom":
+            return EvalResult(VMEM_OOM, self.method, vmem_reported_bytes=123 << 20, vmem_limit_bytes=64 << 20,
+                              message="fake scoped OOM")
+        m = fake_metric(task.bs)
+        return EvalResult(OK, self.method, metric=m, cycles=m * 1e9, estimate_s=m, active_bound="estimate",
+                          samples=1, compile_s=0.01, vmem_limit_bytes=16 << 20)
+
+
+def make_evaluator(backend):
+    return FakeEvaluator()
