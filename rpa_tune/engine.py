@@ -449,7 +449,9 @@ def run_sweep(spec: SweepSpec, store: ResultStore, *, events: Events | None = No
                 note(row)
                 search.tell(bs, row["status"], row.get("metric"))
                 events.finished(row, outcome)
-        if search.stop_reason:
+        if not plan.candidates:
+            outcome.stop_reason = "no candidate passed the legality rules, size caps and VMEM pre-filter"
+        elif search.stop_reason:
             outcome.stop_reason = search.stop_reason
         elif asked >= spec.budget and len(plan.candidates) > spec.budget:
             outcome.stop_reason = f"budget of {spec.budget} evaluations reached"

@@ -118,7 +118,9 @@ class CompileEvaluator(Evaluator):
     def _after_profiler_crash(self, task, limit, deadline, crashed: dict, notes, common) -> EvalResult:
         """The profiler aborted: get the compiler's verdict from a plain compile instead."""
         from kernel.hardware import tpu_info
-        why = "static profiler crashed: " + _tail(crashed.get("message", ""), 600)
+        rc = crashed.get("returncode")
+        how = (f"killed by signal {-rc}" if isinstance(rc, int) and rc < 0 else f"exit code {rc}") if rc is not None else "?"
+        why = f"static profiler process died ({how}): " + _tail(crashed.get("message", ""), 600)
         cap = int(tpu_info(task.generation).vmem_capacity_bytes)
         r: dict = {"status": base.TIMEOUT}
         while deadline - time.monotonic() > 1:
@@ -147,8 +149,11 @@ class CompileEvaluator(Evaluator):
             notes + [why + " (the config compiles without the profiler: VMEM fits)"]), **common)
 
 
+_NOISE = ("could not determine TPU accelerator type", "Failed to find host bounds")
+
+
 def _tail(text: str, n: int = 1200) -> str:
-    lines = [l for l in str(text).strip().splitlines() if l.strip()]
+    lines = [l for l in str(text).strip().splitlines() if l.strip() and not any(x in l for x in _NOISE)]
     # keep the informative end of libtpu / Python error output
     text = " | ".join(lines[-8:])
     return text[-n:]
