@@ -55,6 +55,9 @@ def export_cmd(
     except (FileNotFoundError, ValueError) as e:
         err_console.print(f"[red]error:[/red] {e}")
         raise typer.Exit(2)
+    if len(df) == 0:
+        err_console.print(f"[red]error:[/red] no result rows in {', '.join(map(str, results))}")
+        raise typer.Exit(2)
     if generation:
         gens = {get_generation(g).name for g in generation}
         df = df[[get_generation(g).name in gens if g else False for g in df["generation"]]]

@@ -434,12 +434,17 @@ class DiffRow:
 def load_table_path(path) -> Table:
     """One table from a file, or all ``*.json`` tables in a directory merged."""
     p = Path(path)
-    if p.is_dir():
-        entries = []
-        for f in sorted(p.glob("*.json")):
+    files = sorted(p.glob("*.json")) if p.is_dir() else [p]
+    entries = []
+    for f in files:
+        try:
             entries.extend(Table.read(f).entries)
+        except TableError as e:
+            raise TableError(f"{f}: {e}") from None
+    try:
         return Table(tuple(entries))
-    return Table.read(p)
+    except TableError as e:
+        raise TableError(f"{p}: {e}") from None
 
 
 def diff_tables(old: Table, new: Table) -> list[DiffRow]:

@@ -164,7 +164,7 @@ def test_prefilter_borderline_prefill_and_mixed(gen):
 
 # ------------------------------------------------------------------ interpret
 def _small_task(case="decode", bs=(1, 64, 1, 32)):
-    return Task("interpret", "v6e", case, ModelShape(8, 2, 128), ServingLimits(page_size=16),
+    return Task("interpret", "v6e", case, ModelShape(4, 1, 128), ServingLimits(page_size=16),
                 Workload.of_case(case, [1], [1]), BlockSizes(*bs))
 
 
