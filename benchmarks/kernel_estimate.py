@@ -42,6 +42,8 @@ def run_one(tpu, case, workload, bs, model=LLAMA3_8B, limits=None, label=""):
           f"mem={s['memory_bound_s'] * 1e6:8.1f}us  flop={s['compute_bound_s'] * 1e6:8.1f}us  "
           f"bound={s['active_bound']:<8}  MBU={s['mbu']:5.1%}  MFU={s['mfu']:5.1%}  "
           f"(compile {r.get('compile_s', 0):.1f}s, wall {wall:.1f}s)")
+    if r.get("sample_note"):
+        print(f"{'':<28} {r['sample_note']}; sample cycles {r['sample_cycles']:,d}")
     return r["cycles"]
 
 
@@ -53,6 +55,10 @@ def scaling(tpu):
     c = run_one(tpu, "decode", Workload.of_case("decode", [1] * 128, [4096] * 128), bs, label="decode 128 x 4096")
     if a and b and c:
         print(f"  ratio (64x4096)/(128x2048) = {b / a:.2f} (expect ~1);  (128x4096)/(128x2048) = {c / a:.2f} (expect ~2)")
+    prefill_scaling(tpu)
+
+
+def prefill_scaling(tpu):
     print(f"# {tpu}: causal prefill, one sequence, bs (128, 512, 128, 256): ~quadratic in length")
     bs = BlockSizes(128, 512, 128, 256)
     prev = None
@@ -64,6 +70,22 @@ def scaling(tpu):
         prev = cyc
 
 
+# libtpu static estimates of the public RPA v3 kernel (tpu-and-tuning-notes.md): TPU7x,
+# Llama-3-8B shape, 128 decode sequences (128 x 2K and 64 x 4K gave the same), page 256,
+# block sizes (1, bkv, 1, bkv), with the metadata made visible to the profiler.
+PUBLIC_V3_TPU7X_DECODE = {256: 2_880_000, 512: 2_100_000, 1024: 1_700_000, 2048: 1_510_000}
+
+
+def compare_public():
+    print("# tpu7x decode, 128 x 2048, page 256, (1, bkv, 1, bkv): ours vs public RPA v3 (both estimates)")
+    w = Workload.of_case("decode", [1] * 128, [2048] * 128)
+    lim = ServingLimits(page_size=256, max_num_tokens=512, max_num_seqs=128, max_model_len=16384)
+    for bkv, pub in PUBLIC_V3_TPU7X_DECODE.items():
+        ours = run_one("tpu7x", "decode", w, BlockSizes(1, bkv, 1, bkv), limits=lim, label=f"ours bkv={bkv}")
+        if ours:
+            print(f"  public v3 {pub:,d} cycles; ours / public = {ours / pub:.2f}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tpu", default="v6e")
@@ -73,10 +95,19 @@ def main():
     ap.add_argument("--kv-len", type=int, default=2048)
     ap.add_argument("--bs", default="1,1024,1,512", help="bq,bkv,cq,ckv")
     ap.add_argument("--scaling", action="store_true", help="run the workload-scaling checks")
+    ap.add_argument("--prefill-scaling", action="store_true", help="only the prefill part of --scaling")
+    ap.add_argument("--compare-public", action="store_true",
+                    help="tpu7x decode vs the public RPA v3 kernel's recorded estimates")
     a = ap.parse_args()
     print(f"# compiler estimates (libtpu static profiler), deviceless; clock: {CLOCK_SOURCE}")
     if a.scaling:
         scaling(a.tpu)
+        return
+    if a.prefill_scaling:
+        prefill_scaling(a.tpu)
+        return
+    if a.compare_public:
+        compare_public()
         return
     q = 1 if a.case == "decode" else (a.q_len or a.kv_len)
     w = Workload.of_case(a.case, [q] * a.seqs, [a.kv_len] * a.seqs)

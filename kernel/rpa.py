@@ -77,15 +77,13 @@ class KernelSpec:
 
 
 def _unsigned_scalar_op(op, a, b):
-    """``op`` on non-negative int32 scalars, computed in uint32.
+    """``op`` on non-negative int32 scalars, computed in uint32 (same result for them).
 
-    Signed scalar division/remainder by a constant lowers to an absolute value taken with
-    ``smin.u32``, which libtpu's static profiler cannot evaluate: every quantity derived
-    from it (trip counts, positions, masks) became unknown in analysis mode, instructions
-    depending on it were dropped from the simulated trace (a P@V ``vmatmul`` among them,
-    but not its result pops: "Cannot schedule FIFO pop instruction when the FIFO is
-    empty"). Unsigned division lowers to shifts / multiply-high, which it evaluates; the
-    result is the same for the non-negative operands used here."""
+    Analysis mode: signed scalar division / remainder by a constant lowers to an absolute
+    value taken with ``smin.u32``, an instruction libtpu's static profiler does not
+    evaluate; the quotient (and every trip count, position or predicate derived from it)
+    was unknown to it. Unsigned division lowers to shifts / multiply-high, which it
+    evaluates."""
     u = lambda x: (jnp.asarray(x, jnp.int32) if isinstance(x, int) else x).astype(jnp.uint32)
     return op(u(a), u(b)).astype(jnp.int32)
 
@@ -113,12 +111,14 @@ def _cdiv(a, b):
 
 
 # Scalar min / max / select are computed branch-free (sub, arithmetic shift, and, add)
-# rather than with jnp.minimum / jnp.maximum / jnp.where. Same values, but the static
-# profiler evaluates them: the compiler turns scalar selects into predicated moves
-# (``dst = smov (p, old), new``), and when p is false the profiler leaves ``dst``
-# undefined instead of keeping ``old``; everything computed from it (trip counts, DMA
-# addresses, the KV-position masks and through them a ``vmatmul``) was then dropped from
-# the simulated trace. Operands are positions / lengths far below 2**30 (no overflow).
+# rather than with jnp.minimum / jnp.maximum / jnp.where: same values (operands are
+# positions / lengths far below 2**31), but libtpu's static profiler follows them. The
+# compiler turns scalar selects into predicated moves (``dst = smov (p, old), new``); when
+# p is false the profiler leaves ``dst`` undefined instead of keeping ``old``, and drops
+# every instruction computed from it from its simulated trace. In analysis mode that hit
+# the KV block index ``blk`` -> key positions -> score mask -> p -> the P@V ``vmatmul``,
+# whose result pops (operand-free) stayed: "Cannot schedule FIFO pop instruction when the
+# FIFO is empty ... vpop.f32.mrf.mxu1".
 def _i32(x):
     return jnp.asarray(x, jnp.int32) if isinstance(x, int) else x
 
@@ -201,8 +201,6 @@ def _make_kernel(spec: KernelSpec):
     v_scale = spec.v_scale
     lo_idx, hi_idx = {Case.DECODE: (None, 0), Case.PREFILL: (0, 1), Case.MIXED: (1, 2)}[case]
     analysis = spec.static_meta is not None
-    import os as _os
-    DBG = set(_os.environ.get("RPA_DBG", "").split(","))
 
     def kernel(kv_lens_ref, page_idx_ref, cu_ref, dist_ref,      # scalar prefetch (SMEM)
                q_hbm, newkv_hbm, cache_hbm, o_in_hbm,             # inputs (HBM)
@@ -334,8 +332,6 @@ def _make_kernel(spec: KernelSpec):
                     newkv_hbm.at[pl.ds(src_row, rows)],
                     cache_out_hbm.at[page, pl.ds(_rem(pos, ps), rows)], sems.at[3, 0])
 
-            if "noupdate" in DBG:
-                return
             if decode:
                 c = copy(q_start, ctx, 1)
                 (c.wait if do_wait else c.start)()
@@ -367,11 +363,8 @@ def _make_kernel(spec: KernelSpec):
             """One online-softmax update of q chunk y of head h against (k, v)."""
             rows = pl.ds(y * cq, cq)
             q = q_buf[qslot_ref[0], rows, h].astype(jnp.float32).reshape(cq * G, Dp)
-            if "qkvpu" in DBG:
-                s = jnp.zeros((cq * G, k.shape[0]), jnp.float32) + q[:, :1] * k[:, 0][None, :].astype(jnp.float32)
-            else:
-                s = jax.lax.dot_general(q.astype(k.dtype), k, (((1,), (1,)), ((), ())),
-                                        preferred_element_type=jnp.float32) * scale
+            s = jax.lax.dot_general(q.astype(k.dtype), k, (((1,), (1,)), ((), ())),
+                                    preferred_element_type=jnp.float32) * scale
             if spec.soft_cap is not None:
                 s = spec.soft_cap * jnp.tanh(s / spec.soft_cap)
             mask = kv_valid
@@ -386,18 +379,7 @@ def _make_kernel(spec: KernelSpec):
             p = jnp.exp(s - m_new)
             alpha = jnp.exp(m_prev - m_new)
             l_new = alpha * l_prev + p.sum(axis=1, keepdims=True)
-            if "pvvpu" in DBG:
-                pv = p[:, :1] * v[:1, :].astype(jnp.float32)
-            elif "pvpad" in DBG and (cq * G) % 8:
-                rows_p = -(-(cq * G) // 8) * 8
-                pp = jnp.concatenate([p, jnp.zeros((rows_p - cq * G, p.shape[1]), p.dtype)], axis=0)
-                pv = jnp.dot(pp.astype(v.dtype), v, preferred_element_type=jnp.float32)[: cq * G]
-            elif "pvT" in DBG:
-                pv = jax.lax.dot_general(p.astype(v.dtype), v.T, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-            elif "pvf32" in DBG:
-                pv = jnp.dot(p, v.astype(jnp.float32), preferred_element_type=jnp.float32)
-            else:
-                pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+            pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
             acc = acc_ref[rows, h].reshape(cq * G, Dp)
             acc_ref[rows, h] = (alpha * acc + pv).reshape(cq, G, Dp)
             m_ref[rows, h] = jnp.broadcast_to(m_new, (cq * G, LANES)).reshape(cq, G, LANES)
@@ -430,9 +412,6 @@ def _make_kernel(spec: KernelSpec):
                 if window:
                     live = jnp.logical_and(live, start + ckv > lo_pos)
 
-                if "nolive" in DBG:
-                    live = True
-
                 @functools.partial(_when, live)
                 def _():
                     k_pos = start + jax.lax.broadcasted_iota(jnp.int32, (1, ckv), 1)
@@ -447,8 +426,7 @@ def _make_kernel(spec: KernelSpec):
                             if isinstance(h, int) and h >= Hkv:
                                 break
                             kk, vv = split_kv(kv, j)
-                            if "novmask" not in DBG:
-                                vv = jnp.where(v_ok, vv, 0.0)
+                            vv = jnp.where(v_ok, vv, 0.0)
                             kk = kk.astype(jnp.bfloat16)
                             vv = vv.astype(jnp.bfloat16)
 
@@ -457,10 +435,17 @@ def _make_kernel(spec: KernelSpec):
                                 _when_head(h, lambda: flash_update(h, y, qpos, kk, vv, k_pos, kv_valid))
                                 return carry3
 
-                            _loop(0, n_qchunks, qc, 0, unroll_static=n_qchunks <= 2)
+                            _loop(0, n_qchunks, qc, 0, unroll_static=n_qchunks <= 2 or analysis)
                         return carry2
 
-                    _loop(0, spec.kv_rows, head_row, 0, unroll_static=spec.kv_rows <= 4 or "unroll" in DBG)
+                    # Analysis mode unrolls the head-row and q-chunk loops. As loops, the
+                    # compiler may schedule the tail of flash_update (the lane-broadcast pop
+                    # of l / m and its store) after the loop's back-edge branch; libtpu's
+                    # static profiler on TPU7x then skips those bundles whenever the branch is
+                    # taken, so a permute FIFO push is never popped and it aborts ("Cannot
+                    # schedule FIFO push instruction when the FIFO is full. FIFO name: kTrf1")
+                    # once more than 49 loop iterations ran. Straight-line code avoids it.
+                    _loop(0, spec.kv_rows, head_row, 0, unroll_static=spec.kv_rows <= 4 or analysis)
                 return carry
 
             jax.lax.fori_loop(0, n_chunks, chunk, 0)
@@ -547,13 +532,12 @@ def _make_kernel(spec: KernelSpec):
                                 fetch_kv(nxt_s, nxt_i, 0, 1 - kvslot)
 
                             wait_kv(kvslot)
-                            if "nocompute" not in DBG:
-                                compute_step(info, i, k, kvslot, c0, nc, n0)
+                            compute_step(info, i, k, kvslot, c0, nc, n0)
                             cnt_ref[4] = 1 - kvslot
                             return carry3
 
                         jax.lax.fori_loop(0, nsteps, step, 0)
-                        if decode and "nonew" not in DBG:
+                        if decode:
                             decode_new_token(qslot, qslot)
                         oslot = cnt_ref[5]
                         finalize(oslot)

@@ -6,7 +6,6 @@ one-line message before anything is written.
 """
 from __future__ import annotations
 
-import math
 import os
 import sys
 from pathlib import Path
@@ -65,22 +64,6 @@ def _positive(name: str, value: int) -> int:
     if value is None or value <= 0:
         raise UsageError(f"{name}={value} must be a positive integer")
     return value
-
-
-def _fmt_time(s) -> str:
-    if s is None or (isinstance(s, float) and math.isnan(s)):
-        return "-"
-    if s >= 1:
-        return f"{s:.3g} s"
-    if s >= 1e-3:
-        return f"{s * 1e3:.3g} ms"
-    return f"{s * 1e6:.3g} us"
-
-
-def _fmt_bytes(b) -> str:
-    if b is None or (isinstance(b, float) and math.isnan(b)):
-        return "-"
-    return f"{b / 2**20:.1f} MiB"
 
 
 # ============================================================================ sweep

@@ -4,7 +4,9 @@ Per config:
 
 1. ``kernel.analysis.estimate`` compiles the case's kernel with the workload's metadata
    visible to libtpu's static profiler (in its own child process, with the profiler
-   flag). The compiler's verdict decides VMEM feasibility.
+   flag). The compiler's verdict decides VMEM feasibility. A workload of more than a few
+   q blocks is costed on a deterministic sample of its q blocks and scaled (the row's
+   message says so): the profiler's memory grows with the simulated work.
 2. The scoped VMEM limit starts at the kernel's default for the predicted scratch
    (``base.initial_vmem_limit``); when the compiler reports a scoped-limit OOM, the
    config is compiled once more with a limit raised to what it reported (capped at the
@@ -73,6 +75,8 @@ class CompileEvaluator(Evaluator):
                     notes + ["static profiler gave no estimate for the kernel"]))
             from kernel import metrics
             s = metrics.summarize(cycles, task.workload, task.model, task.generation, task.case)
+            if r.get("sample_note"):
+                notes.append(r["sample_note"])
             return EvalResult(base.OK, self.method, metric=s["time_s"], cycles=float(cycles),
                               estimate_s=s["estimate_s"], memory_bound_s=s["memory_bound_s"],
                               compute_bound_s=s["compute_bound_s"], active_bound=s["active_bound"],
