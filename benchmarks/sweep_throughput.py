@@ -22,9 +22,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kernel.config import TuningKey  # noqa: E402
 from kernel.workload import ServingLimits  # noqa: E402
-from rpa_tune.engine import SweepSpec, run_sweep  # noqa: E402
+from rpa_tune.engine import SweepSpec, problem_key, run_sweep  # noqa: E402
 from rpa_tune.presets import get_preset  # noqa: E402
 from rpa_tune.space import load_space  # noqa: E402
 from rpa_tune.store import ResultStore  # noqa: E402
@@ -44,8 +43,7 @@ def main():
     model = get_preset(args.model).model()
     limits = ServingLimits(page_size=128, max_num_tokens=2048, max_num_seqs=128, max_model_len=8192)
     w, origin = make_workload(args.case, limits)
-    key = TuningKey(args.tpu, args.case, model.q_dtype, model.kv_dtype, model.num_q_heads, model.num_kv_heads,
-                    model.head_dim, limits.page_size, limits.max_num_tokens, limits.max_model_len)
+    key = problem_key(args.tpu, args.case, model, limits)
     print(f"sweep: {key.id()}, workload {describe(w)} [{origin}], grid, budget {args.budget}, "
           f"compile backend; machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}", flush=True)
     rows = []

@@ -85,7 +85,7 @@ def main() -> None:
     os.environ["RPA_TABLE"] = os.path.join(tmp, "synthetic.json")
     os.environ["RPA_SHIPPED_TABLES"] = "0"
     t0 = time.perf_counter()
-    state = kt.reload()
+    kt.reload()
     res.update(index_entries=n, index_load_s=time.perf_counter() - t0)
     model = ModelShape(32, 8, 128)
     dims = dict(max_num_tokens=256, num_q_heads=32, num_kv_heads=8, head_dim=128, num_pages=8192,

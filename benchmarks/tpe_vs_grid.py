@@ -27,9 +27,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kernel.config import BlockSizes, TuningKey  # noqa: E402
+from kernel.config import BlockSizes  # noqa: E402
 from kernel.workload import ServingLimits  # noqa: E402
-from rpa_tune.engine import SweepSpec, plan_sweep, run_sweep  # noqa: E402
+from rpa_tune.engine import SweepSpec, problem_key, plan_sweep, run_sweep  # noqa: E402
 from rpa_tune.presets import get_preset  # noqa: E402
 from rpa_tune.search import make_search  # noqa: E402
 from rpa_tune.space import load_space  # noqa: E402
@@ -66,8 +66,7 @@ def main():
     model = get_preset(args.model).model()
     limits = ServingLimits(page_size=128, max_num_tokens=2048, max_num_seqs=128, max_model_len=8192)
     w, origin = make_workload(args.case, limits)
-    key = TuningKey(args.tpu, args.case, model.q_dtype, model.kv_dtype, model.num_q_heads, model.num_kv_heads,
-                    model.head_dim, limits.page_size, limits.max_num_tokens, limits.max_model_len)
+    key = problem_key(args.tpu, args.case, model, limits)
     spec = SweepSpec(key=key, model=model, limits=limits, workload=w, workload_desc=origin,
                      case_space=load_space(args.tpu).for_case(args.case), backend="compile", search="grid",
                      budget=10_000, jobs=args.jobs, timeout=args.timeout)

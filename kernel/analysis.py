@@ -59,11 +59,14 @@ def _sharding(tpu: str):
     return jax.sharding.SingleDeviceSharding(topo.devices[0])
 
 
-def abstract_inputs(model: ModelShape, limits: ServingLimits, tpu: str, num_pages: int | None = None):
-    """``ShapeDtypeStruct``s of every kernel argument, placed on the deviceless TPU."""
+def abstract_inputs(model: ModelShape, limits: ServingLimits, tpu: str | None,
+                    num_pages: int | None = None, *, sharding=None) -> dict:
+    """``ShapeDtypeStruct``s of every kernel argument, placed on the deviceless TPU
+    generation ``tpu`` (or given ``sharding`` when ``tpu`` is None: a local device, or
+    None for uncommitted arguments)."""
     import jax
     import jax.numpy as jnp
-    sh = _sharding(tpu)
+    sh = _sharding(tpu) if tpu is not None else sharding
     T, S = limits.max_num_tokens, limits.max_num_seqs
     if num_pages is None:
         num_pages = S * limits.pages_per_seq

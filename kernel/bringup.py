@@ -152,20 +152,10 @@ def _as_limits(limits) -> ServingLimits:
 
 def _local_args(model: ModelShape, limits: ServingLimits, num_pages: int, committed: bool = True):
     import jax
-    import jax.numpy as jnp
-    from .config import get_kv_cache_shape
-    T, S = limits.max_num_tokens, limits.max_num_seqs
+    from .analysis import abstract_inputs
     # JAX keys its in-process cache on whether arguments are committed to a device
     sh = jax.sharding.SingleDeviceSharding(jax.devices()[0]) if committed else None
-    sds = lambda shape, dt: jax.ShapeDtypeStruct(shape, jnp.dtype(dt), sharding=sh)
-    return dict(
-        queries=sds((T, model.num_q_heads, model.head_dim), model.q_dtype),
-        keys=sds((T, model.num_kv_heads, model.head_dim), model.q_dtype),
-        values=sds((T, model.num_kv_heads, model.head_dim), model.q_dtype),
-        kv_cache=sds(get_kv_cache_shape(num_pages, limits.page_size, model.num_kv_heads,
-                                        model.head_dim, jnp.dtype(model.kv_dtype)), model.kv_dtype),
-        kv_lens=sds((S,), "int32"), page_indices=sds((S * limits.pages_per_seq,), "int32"),
-        cu_q_lens=sds((S + 1,), "int32"), distribution=sds((3,), "int32"))
+    return abstract_inputs(model, limits, None, num_pages, sharding=sh)
 
 
 def _compile_one(model, limits, *, generation, deviceless, num_pages, cases, block_sizes, attn,

@@ -655,25 +655,20 @@ def loaded() -> LoadedTables:
     return state
 
 
-def reload() -> LoadedTables:
-    """Forget the loaded tables and lookup cache; re-read from the environment on next use."""
-    global _loaded, _epoch
-    with _lock:
-        _loaded = None
-        _epoch += 1
-        _logged_keys.clear()
-        _lookup_cached.cache_clear()
-    return loaded()
-
-
 def reset() -> None:
-    """Like ``reload`` but lazy (nothing is read until the next lookup)."""
+    """Forget the loaded tables and lookup cache; nothing is read until the next lookup."""
     global _loaded, _epoch
     with _lock:
         _loaded = None
         _epoch += 1
         _logged_keys.clear()
         _lookup_cached.cache_clear()
+
+
+def reload() -> LoadedTables:
+    """Like ``reset``, then re-read the tables from the environment now."""
+    reset()
+    return loaded()
 
 
 def _log_once(key: TuningKey, msg: str) -> None:

@@ -3,9 +3,8 @@ from __future__ import annotations
 
 import numpy as np
 import jax
-import jax.numpy as jnp
 
-from .config import BlockSizes, Case, block_size_errors, cdiv, get_kv_cache_shape, kv_packing
+from .config import BlockSizes, block_size_errors, cdiv, get_kv_cache_shape
 
 SUPPORTED_Q_DTYPES = ("bfloat16", "float32")
 SUPPORTED_KV_DTYPES = ("bfloat16", "float8_e4m3fn")

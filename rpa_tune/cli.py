@@ -6,7 +6,6 @@ one-line message before anything is written.
 """
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 from typing import Optional
@@ -224,7 +223,7 @@ def _build_specs(*, tpu, case, model, q_heads, kv_heads, head_dim, dtype, kv_dty
                  max_num_seqs, max_model_len, workload, num_seqs, context, chunk, num_chunks, seed, backend,
                  search, budget, patience, jobs, timeout, results, space, retry, dry_run):
     """Validate every input and build one SweepSpec per case (no side effects)."""
-    from kernel.config import GENERATIONS, Case, TuningKey
+    from kernel.config import GENERATIONS, Case
     _one_of("TPU", tpu, tuple(GENERATIONS))
     _one_of("case", case, CASE_CHOICES)
     _one_of("backend", backend, BACKEND_CHOICES)
@@ -256,7 +255,7 @@ def _build_specs(*, tpu, case, model, q_heads, kv_heads, head_dim, dtype, kv_dty
         raise UsageError(f"--workload {str(workload)!r} is not a file")
     cases = [Case.DECODE, Case.PREFILL, Case.MIXED] if case == "all" else [Case.parse(case)]
     specs = []
-    from .engine import SweepSpec
+    from .engine import SweepSpec, problem_key
     if dry_run and backend == "auto":
         be, note = "compile", "dry run: auto not probed, assuming compile"
     else:
@@ -269,8 +268,7 @@ def _build_specs(*, tpu, case, model, q_heads, kv_heads, head_dim, dtype, kv_dty
         except (WorkloadError, SpaceError) as e:
             raise UsageError(str(e)) from None
         from .workloads import describe
-        key = TuningKey(tpu, c.value, m.q_dtype, m.kv_dtype, m.num_q_heads, m.num_kv_heads, m.head_dim,
-                        limits.page_size, limits.max_num_tokens, limits.max_model_len)
+        key = problem_key(tpu, c, m, limits)
         specs.append(SweepSpec(key=key, model=m, limits=limits, workload=w,
                                workload_desc=f"{describe(w)} [{origin}]", case_space=cs, backend=be,
                                search=search, budget=budget, seed=seed, jobs=jobs, timeout=timeout,

@@ -25,7 +25,6 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Callable
 
 from kernel.config import BlockSizes, Case, TuningKey, block_size_errors
 from kernel.workload import ModelShape, ServingLimits, Workload
@@ -261,6 +260,13 @@ class WorkerPool:
 
 
 # ============================================================================= sweeps
+def problem_key(tpu: str, case: Case | str, model: ModelShape, limits: ServingLimits) -> TuningKey:
+    """The ``TuningKey`` a sweep of ``model`` under ``limits`` records its rows under."""
+    return TuningKey(tpu, Case.parse(case).value, model.q_dtype, model.kv_dtype, model.num_q_heads,
+                     model.num_kv_heads, model.head_dim, limits.page_size, limits.max_num_tokens,
+                     limits.max_model_len)
+
+
 @dataclasses.dataclass
 class SweepSpec:
     """Everything one sweep (one key, one workload) needs; validated by the caller."""

@@ -36,17 +36,26 @@ def versions() -> dict:
 KERNEL_HASH_ENV = "RPA_TUNE_KERNEL_HASH"
 
 
+# The kernel files a recorded result depends on: the compiled kernel itself (the files
+# ``kernel.tables.KERNEL_SOURCE_FILES`` names) plus those that shape an evaluation: the
+# estimate (analysis, metrics, hardware facts), the workload model and the heuristic each
+# sweep compares against. Table loading, bring-up, validation and the reference are not in
+# it: editing them does not make recorded results stale.
+RESULT_INPUT_FILES = ("rpa.py", "api.py", "vmem.py", "config.py",
+                      "analysis.py", "metrics.py", "hardware.py", "workload.py", "heuristics.py")
+
+
 def kernel_hash() -> str:
-    """sha256 (16 hex digits) of every ``kernel/*.py`` source: any kernel or analysis
-    change gives a new hash, so results of an older kernel are never reused on resume.
-    ``$RPA_TUNE_KERNEL_HASH`` pins it instead (tests; or resuming across kernel edits known
-    not to matter)."""
+    """sha256 (16 hex digits) of the ``RESULT_INPUT_FILES`` of ``kernel/``: a change to the
+    kernel or to how it is estimated gives a new hash, so results of an older kernel are
+    never reused on resume. ``$RPA_TUNE_KERNEL_HASH`` pins it instead (tests; or resuming
+    across kernel edits known not to matter)."""
     pinned = os.environ.get(KERNEL_HASH_ENV)
     if pinned:
         return pinned
     h = hashlib.sha256()
-    for p in sorted(KERNEL_DIR.glob("*.py")):
-        h.update(p.name.encode() + b"\0" + p.read_bytes() + b"\0")
+    for name in RESULT_INPUT_FILES:
+        h.update(name.encode() + b"\0" + (KERNEL_DIR / name).read_bytes() + b"\0")
     return h.hexdigest()[:16]
 
 

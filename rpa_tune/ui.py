@@ -171,7 +171,7 @@ def print_summary(o: Outcome, store, top: int = 10) -> None:
         if shown >= top:
             break
         shown += 1
-        t.add_row(str(shown), fmt_bs(r), f"[green]ok[/]", fmt_time(r["metric"]), str(r["active_bound"] or "-"),
+        t.add_row(str(shown), fmt_bs(r), "[green]ok[/]", fmt_time(r["metric"]), str(r["active_bound"] or "-"),
                   "-" if r["cycles"] is None or math.isnan(r["cycles"]) else f"{r['cycles']:,.0f}",
                   fmt_bytes(r["vmem_limit_bytes"]), fmt_time(r["compile_s"]),
                   "heuristic" if r["is_heuristic"] else "")

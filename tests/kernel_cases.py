@@ -5,7 +5,6 @@ import numpy as np
 import jax.numpy as jnp
 
 import kernel
-from kernel.config import cdiv
 from kernel.workload import ModelShape, ServingLimits, Workload, make_inputs
 
 

@@ -1,5 +1,4 @@
 """Bad input raises ValueError naming the value and the rule, before any tracing."""
-import numpy as np
 import pytest
 import jax.numpy as jnp
 

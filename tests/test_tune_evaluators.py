@@ -1,6 +1,5 @@
 """Evaluators: backend selection, timing statistics (fake timer, synthetic profile), the VMEM
 limit policy and pre-filter against real deviceless compiles, interpret correctness."""
-import os
 
 import pytest
 

@@ -1,12 +1,10 @@
 """Search strategies: determinism, coverage, TPE's handling of infeasible configs, early stop."""
-import math
 
 import pytest
 
-from kernel.config import BlockSizes
 from kernel.workload import ServingLimits
 from rpa_tune.presets import get_preset
-from rpa_tune.search import GridSearch, RandomSearch, TpeSearch, make_search
+from rpa_tune.search import GridSearch, TpeSearch, make_search
 from rpa_tune.space import context, enumerate_space, load_space
 from tune_fakes import fake_metric
 

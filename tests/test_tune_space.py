@@ -2,7 +2,7 @@
 import pytest
 
 from kernel.config import GENERATIONS, BlockSizes, Case, block_size_errors
-from kernel.workload import ModelShape, ServingLimits
+from kernel.workload import ServingLimits
 from rpa_tune.presets import PRESETS, get_preset
 from rpa_tune.space import SpaceError, context, enumerate_space, load_space, parse_space
 

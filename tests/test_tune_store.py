@@ -74,3 +74,25 @@ def test_schema_has_the_documented_columns():
               "vmem_limit_bytes", "vmem_reported_bytes", "message", "backend", "search", "seed", "jax_version",
               "jaxlib_version", "libtpu_version", "device_kind", "kernel_hash", "git_sha", "timestamp", "config_id"):
         assert c in SCHEMA.names, c
+
+
+def test_kernel_hash_follows_the_result_inputs_only(tmp_path, monkeypatch):
+    """Results are keyed on the files that shape them: the compiled kernel's sources (the
+    ones tables are checked against) and the estimate's; table loading is not among them."""
+    import shutil
+    from kernel import tables as kt
+    from rpa_tune import provenance
+    assert set(kt.KERNEL_SOURCE_FILES) <= set(provenance.RESULT_INPUT_FILES)
+    assert "analysis.py" in provenance.RESULT_INPUT_FILES and "tables.py" not in provenance.RESULT_INPUT_FILES
+    copy = tmp_path / "kernel"
+    shutil.copytree(provenance.KERNEL_DIR, copy)
+    monkeypatch.delenv(provenance.KERNEL_HASH_ENV, raising=False)
+    monkeypatch.setattr(provenance, "KERNEL_DIR", copy)
+    h0 = provenance.kernel_hash()
+    (copy / "tables.py").write_text((copy / "tables.py").read_text() + "\n# edited\n")
+    assert provenance.kernel_hash() == h0
+    for name in ("rpa.py", "analysis.py"):
+        (copy / name).write_text((copy / name).read_text() + "\n# edited\n")
+        h1 = provenance.kernel_hash()
+        assert h1 != h0
+        h0 = h1
