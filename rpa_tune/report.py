@@ -240,8 +240,8 @@ def _trial_runs(tpu: str) -> dict:
         r = res[0][2]
         secs = time.monotonic() - t0
         if r.status == base.OK:
-            what = {"compile": f"deviceless {tpu} compile + static profiler estimate ({r.cycles:.0f} cycles)",
-                    "interpret": "Pallas interpreter matches the reference"}[name]
+            what = (f"deviceless {tpu} compile + static profiler estimate ({r.cycles:.0f} cycles)"
+                    if name == "compile" else "Pallas interpreter matches the reference")
             out[name] = ("works", f"{what}, {secs:.0f} s")
         elif name == "compile" and r.status == base.CRASH and "compiles without the profiler" in r.message:
             out[name] = ("partly", f"deviceless compile works, but libtpu's static profiler crashed: the "

@@ -152,3 +152,12 @@ def test_doctor_quick_reports_versions_backends_and_cache():
         assert needle in r.stdout, needle
     if not Path("/dev/accel0").exists() and not list(Path("/dev").glob("vfio/[0-9]*")):
         assert "unavailable" in r.stdout and "compile (for --tpu v6e)" in r.stdout
+
+
+def test_doctor_runs_a_trial_of_each_cpu_backend():
+    """Without --quick, doctor compiles one small config deviceless (with the estimate) and
+    runs one in the interpreter, and says both work on this machine."""
+    r = run(["doctor", "--tpu", "v6e"], env={"COLUMNS": "250"}, timeout=900)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "static profiler estimate (" in r.stdout and "cycles)" in r.stdout, r.stdout
+    assert "Pallas interpreter matches the reference" in r.stdout, r.stdout
