@@ -13,6 +13,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 import traceback
 
@@ -37,6 +38,16 @@ def _die_with_parent() -> None:
     parent = os.environ.get(PARENT_ENV)
     if parent and os.getppid() != int(parent):      # the engine died before prctl
         on_term(None, None)
+    # Python runs signal handlers in the main thread between bytecodes only, so while the
+    # main thread sits in a long native call (an in-process libtpu compile can take
+    # minutes) the SIGTERM above waits. A watchdog thread (compiles release the GIL) ends
+    # the worker and its group as soon as the engine is gone.
+    if parent:
+        def watch():
+            while os.getppid() == int(parent):
+                time.sleep(0.5)
+            on_term(None, None)
+        threading.Thread(target=watch, name="rpa-tune-parent-watchdog", daemon=True).start()
 
 
 def main(argv=None) -> int:

@@ -156,3 +156,27 @@ def test_kill_9_of_a_real_sweep_then_resume(fake, tmp_path):
     best = after[after.status == "ok"].sort_values("metric").iloc[0]
     assert (best.bkv, best.ckv) == (1024, 256)
     assert fake_metric(BlockSizes(1, 1024, 1, 256)) == pytest.approx(best.metric)
+
+
+def test_workers_busy_in_native_code_die_with_a_killed_sweep(fake, tmp_path):
+    """A worker stuck in a call that keeps Python's SIGTERM handler from running (a long
+    in-process compile) still ends, with its process group, once the sweep is killed."""
+    env = dict(os.environ, RPA_TUNE_FAKE_BEHAVIOUR="*=block")
+    cmd = [RPA_TUNE, "sweep", "--tpu", "v6e", "--case", "decode", "--backend", "compile", "--search", "grid",
+           "--jobs", "2", "--results", str(tmp_path / "res")]
+    p = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and (not fake.exists() or len(evaluated(fake)) < 2):
+        time.sleep(0.05)
+    assert len(evaluated(fake)) >= 2, "both workers should be evaluating"
+    workers = _workers_of(p.pid)
+    assert len(workers) == 2
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait(timeout=30)
+    deadline = time.monotonic() + 10
+    alive = workers
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.1)
+        alive = [w for w in workers if Path(f"/proc/{w}").exists()
+                 and b"rpa_tune.worker" in Path(f"/proc/{w}/cmdline").read_bytes()]
+    assert not alive, "blocked workers outlived the killed sweep"

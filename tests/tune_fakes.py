@@ -2,7 +2,9 @@
 
 ``RPA_TUNE_FAKE_BEHAVIOUR`` maps config labels to what happens when they are evaluated,
 ``label=action;label=action``, action one of ``crash`` (the worker aborts: SIGABRT),
-``exit`` (the worker exits with code 3), ``hang`` (sleeps forever), ``oom`` (a VMEM OOM
+``exit`` (the worker exits with code 3), ``hang`` (sleeps forever), ``block`` (sleeps with
+SIGTERM blocked in the main thread, as a long native compile keeps Python's handler from
+running), ``oom`` (a VMEM OOM
 verdict), ``raise`` (the evaluator raises). ``RPA_TUNE_FAKE_DELAY`` seconds are spent
 on every evaluation. The metric is a deterministic function of the block sizes whose
 minimum is at ``bkv = 1024, ckv = 256`` (``bq = 64, cq = 16`` for prefill / mixed).
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import math
 import os
+import signal
 import time
 
 from rpa_tune.evaluators.base import OK, VMEM_OOM, EvalResult, Evaluator
@@ -38,12 +41,15 @@ class FakeEvaluator(Evaluator):
         actions = dict(item.split("=", 1) for item in os.environ.get("RPA_TUNE_FAKE_BEHAVIOUR", "").split(";")
                        if "=" in item)
         time.sleep(float(os.environ.get("RPA_TUNE_FAKE_DELAY", "0")))
-        action = actions.get(label)
+        action = actions.get(label, actions.get("*"))   # '*': every other config
         if action == "crash":
             os.abort()
         if action == "exit":
             os._exit(3)
         if action == "hang":
+            time.sleep(10_000)
+        if action == "block":
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
             time.sleep(10_000)
         if action == "raise":
             raise RuntimeError("fake evaluator failure")
