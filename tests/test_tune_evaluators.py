@@ -179,21 +179,24 @@ def test_interpret_evaluator_ok_and_wrong_result(monkeypatch):
 
 
 # ------------------------------------------------------------------ static estimate
+def _estimate(case, workload, lim, bs):
+    """The compile backend's verdict for one config on v6e (Llama-3-8B shape); must be ok."""
+    t = Task("compile", "v6e", case, LLAMA, lim, workload, bs, timeout=1800,
+             vmem_predicted_bytes=prefilter.predicted_bytes(LLAMA, lim, bs))
+    r = CompileEvaluator().evaluate(t)
+    assert r.status == "ok", r.message
+    return r
+
+
 def test_estimate_grows_with_context_and_sequences():
     """The compile backend's metric follows the workload: 4x the context or 4x the
     sequences gives a clearly larger time (memory traffic grows ~4x). 12 sequences are
     estimated from a sample of 3 (kernel.analysis.sample_for_estimate), which must agree
     with 4x the cost of 3 sequences compiled whole."""
     lim = ServingLimits(page_size=128, max_num_tokens=512, max_num_seqs=64, max_model_len=8192)
-    bs = BlockSizes(1, 1024, 1, 256)
-    ev = CompileEvaluator()
 
     def metric(n, kv):
-        t = Task("compile", "v6e", "decode", LLAMA, lim, Workload.of_case("decode", [1] * n, [kv] * n), bs,
-                 timeout=1800, vmem_predicted_bytes=prefilter.predicted_bytes(LLAMA, lim, bs))
-        r = ev.evaluate(t)
-        assert r.status == "ok", r.message
-        return r
+        return _estimate("decode", Workload.of_case("decode", [1] * n, [kv] * n), lim, BlockSizes(1, 1024, 1, 256))
 
     base_r, long_r, many_r = metric(3, 1024), metric(3, 4096), metric(12, 1024)
     assert long_r.cycles > 2 * base_r.cycles and many_r.cycles > 2 * base_r.cycles
@@ -206,13 +209,8 @@ def test_causal_prefill_estimate_grows_faster_than_linearly():
     """Twice the chunk length, about four times the causal work: the estimate (one
     sampled q block, scaled) grows clearly faster than 2x."""
     lim = ServingLimits(page_size=128, max_num_tokens=2048, max_num_seqs=8, max_model_len=8192)
-    bs = BlockSizes(128, 512, 128, 256)
 
     def cycles(n):
-        t = Task("compile", "v6e", "prefill", LLAMA, lim, Workload.of_case("prefill", [n], [n]), bs,
-                 timeout=1800, vmem_predicted_bytes=prefilter.predicted_bytes(LLAMA, lim, bs))
-        r = CompileEvaluator().evaluate(t)
-        assert r.status == "ok", r.message
-        return r.cycles
+        return _estimate("prefill", Workload.of_case("prefill", [n], [n]), lim, BlockSizes(128, 512, 128, 256)).cycles
 
     assert cycles(2048) > 2.8 * cycles(1024)
