@@ -266,8 +266,12 @@ def _estimate_in_this_process(req: dict) -> dict:
 # against 1K or 2K of context 3.9 GB; three (against 384 / 1152 / 1792) 9.6 GB. So a
 # workload larger than a few q blocks is estimated on a sample of them and scaled
 # (``sample_for_estimate``).
-MAX_SAMPLED_ITEMS = {Case.DECODE: 3, Case.PREFILL: 1, Case.MIXED: 3}
-PROXY_OVERHEAD_TOKENS = 256
+# Decode items are light (16 x 2K sequences: 1.8 GB, 30 s), and the kernel's fixed cost
+# (prologue, pipeline fill, last write-back), compiled once per sample, is scaled with it:
+# 3 decode items ran +27 % high against a full compile of 16 x 2K, 8 items +12 %.
+MAX_SAMPLED_ITEMS = {Case.DECODE: 8, Case.PREFILL: 1, Case.MIXED: 3}
+PROXY_OVERHEAD_TOKENS = 800
+PROXY_ROW_SCALE = 160
 
 
 def _items(workload: Workload, case: Case, bq: int) -> list[tuple[int, int]]:
@@ -288,15 +292,16 @@ def _items(workload: Workload, case: Case, bq: int) -> list[tuple[int, int]]:
 
 def _proxy(item: tuple[int, int], model: ModelShape) -> float:
     """Relative cost of an item: KV tokens touched plus a per-item overhead, times a row
-    factor. The overhead is fixed in cycles while the per-token work grows with the KV
-    heads, so it is ``PROXY_OVERHEAD_TOKENS x 8 / num_kv_heads`` tokens (256 for 8 KV
-    heads). The row factor is weak on purpose: K sits in the MXU weights, so a KV chunk
-    costs about the same for 4 query rows as for a few hundred (measured on v6e,
-    Llama-3-8B: a decode item against 2K of context 57k cycles, a 128-row causal q block
-    150k)."""
+    factor ``1 + rows x group / PROXY_ROW_SCALE``. The overhead is fixed in cycles while the
+    per-token work grows with the KV heads, so it is ``PROXY_OVERHEAD_TOKENS x 8 /
+    num_kv_heads`` tokens. Fitted to full compiles as ``a + b x kv_end`` per item (v6e,
+    Llama-3-8B, 8 KV heads): decode items (4 query rows) a = 4.5k cycles, b = 6.3 cycles
+    per KV token (overhead 715 tokens); 128-row causal prefill q blocks (512 rows) a =
+    22k, b = 25.5 (880 tokens). The row factor is weak: K sits in the MXU weights, so a KV
+    token costs 4x, not 128x, more for 512 query rows than for 4."""
     r, e = item
     overhead = PROXY_OVERHEAD_TOKENS * 8 / model.num_kv_heads
-    return (e + overhead) * (1.0 + r * model.group / 256.0)
+    return (e + overhead) * (1.0 + r * model.group / PROXY_ROW_SCALE)
 
 
 def sample_for_estimate(workload: Workload, case: Case | str, bq: int, model: ModelShape,
@@ -312,7 +317,8 @@ def sample_for_estimate(workload: Workload, case: Case | str, bq: int, model: Mo
     whole's proxy cost to the sample's. Deterministic; the sample depends on ``bq`` only
     (not ``bkv``/``cq``/``ckv``). Checked against full compiles (README, "Deviceless
     analysis"): the per-item overhead is scaled with the work, so sampled estimates run a
-    few percent high (decode) to ~20% high (causal prefill, where q blocks of one sequence
+    few percent high (decode, +8 % for 16 x 2K from 3 sequences) to about a third high
+    (causal prefill 1024 from one of its 8 q blocks: +34 %, as q blocks of one sequence
     also lose their cross-block pipelining)."""
     case = Case.parse(case)
     max_items = max_items or MAX_SAMPLED_ITEMS[case]
@@ -338,7 +344,7 @@ def sample_for_estimate(workload: Workload, case: Case | str, bq: int, model: Mo
     sample = Workload.of_case(case, [r for r, _ in picks], [e for _, e in picks])
     note = (f"sampled {len(picks)} of {n} q blocks (proportional to the proxy), scaled "
             f"x{total / part:.3f} (proxy: (kv end + {PROXY_OVERHEAD_TOKENS} x 8 / kv heads) x "
-            f"(1 + rows x group / 256))")
+            f"(1 + rows x group / {PROXY_ROW_SCALE}))")
     return sample, total / part, note
 
 

@@ -23,8 +23,9 @@ Design (after the RPA paper, written for this project):
   rows beyond a sequence's end are masked rather than sliced. Dynamic-length cache
   writes are decomposed into power-of-two row counts.
 * Compute: for each KV chunk (``ckv``) and KV head, K and V are split out of the merged
-  block once, then every q chunk (``cq``) of the block runs one online-softmax
-  (FlashAttention-2) update in f32.
+  block once (bf16: one sublane-strided load of (K, V) uint32 words and a shift / mask),
+  then every q chunk (``cq``) of the block runs one online-softmax (FlashAttention-2)
+  update in f32.
 
 The analysis mode (``static_meta``) replaces the scalar metadata by static-address SMEM
 stores of a concrete workload so libtpu's static profiler sees the real trip counts; see
@@ -186,7 +187,32 @@ def _pow2_copies(n, max_rows: int, issue):
 
 
 # ---------------------------------------------------------------------------- kernel
-def _make_kernel(spec: KernelSpec):
+def _lanes(x, n: int):
+    """A lane-replicated ``(rows, 128)`` array widened (or cut) to ``(rows, n)``."""
+    if n == LANES:
+        return x
+    if n < LANES:
+        return x[:, :n]
+    wide = jnp.tile(x, (1, cdiv(n, LANES)))
+    return wide if n % LANES == 0 else wide[:, :n]
+
+
+def _split_words(w, v_scale):
+    """bf16 K/V pairs packed in uint32 words -> (K, V) bf16.
+
+    A word holds the K element (low 16 bits) and the V element (high 16 bits) of one
+    head at one lane, as the merged layout interleaves them (k_h, v_h) along the packing
+    dim. A bf16 value is the top half of the f32 with the same value, so a shift
+    (K) and a mask (V) followed by a bitcast give both exactly, with no unpacking or
+    gathers across vregs."""
+    k = jax.lax.bitcast_convert_type(w << 16, jnp.float32)
+    v = jax.lax.bitcast_convert_type(w & jnp.uint32(0xFFFF0000), jnp.float32)
+    if v_scale is not None:
+        v = v * v_scale
+    return k.astype(jnp.bfloat16), v.astype(jnp.bfloat16)
+
+
+def _make_kernel(spec: KernelSpec, interpret: bool = False):
     case, bs = spec.case, spec.bs
     bq, bkv, cq, ckv = bs
     ps, pk, Hkv, G, Dp = spec.page_size, spec.kv_pack, spec.num_kv_heads, spec.group, spec.head_dim_p
@@ -216,9 +242,14 @@ def _make_kernel(spec: KernelSpec):
                 meta_ref[spec.max_num_seqs + i] = v
             kv_len_of = lambda s: meta_ref[s]
             cu_of = lambda s: meta_ref[spec.max_num_seqs + s]
+            # The scalar-prefetch inputs are not read in analysis mode (they stay in HBM,
+            # see build_case_call). Which page a DMA reads does not change its cost (the
+            # profiler reads dynamic SMEM addresses as 0 anyway), so every page is page 0.
+            page_of = lambda i: 0
         else:
             kv_len_of = lambda s: kv_lens_ref[s]
             cu_of = lambda s: cu_ref[s]
+            page_of = lambda i: page_idx_ref[i]
             seq_lo = 0 if lo_idx is None else dist_ref[lo_idx]
             seq_hi = dist_ref[hi_idx]
             segments = ((seq_lo, seq_hi, None),)
@@ -290,12 +321,12 @@ def _make_kernel(spec: KernelSpec):
                 @pl.when(p < npages)
                 def _():
                     if decode:
-                        page = page_idx_ref[sc * spec.pages_per_seq + blk * pages_per_block + p]
+                        page = page_of(sc * spec.pages_per_seq + blk * pages_per_block + p)
                         page_copy(cache_out_hbm.at[page], slot, p).start()
                     else:
                         @pl.when(cached)
                         def _():
-                            page = page_idx_ref[sc * spec.pages_per_seq + blk * pages_per_block + p]
+                            page = page_of(sc * spec.pages_per_seq + blk * pages_per_block + p)
                             page_copy(cache_out_hbm.at[page], slot, p).start()
 
                         @pl.when(jnp.logical_not(cached))
@@ -327,7 +358,7 @@ def _make_kernel(spec: KernelSpec):
             sc = clamp_seq(s)
 
             def copy(src_row, pos, rows):
-                page = page_idx_ref[sc * spec.pages_per_seq + _div(pos, ps)]
+                page = page_of(sc * spec.pages_per_seq + _div(pos, ps))
                 return pltpu.make_async_copy(
                     newkv_hbm.at[pl.ds(src_row, rows)],
                     cache_out_hbm.at[page, pl.ds(_rem(pos, ps), rows)], sems.at[3, 0])
@@ -373,17 +404,19 @@ def _make_kernel(spec: KernelSpec):
             if window:
                 mask = jnp.logical_and(mask, k_pos > q_pos - window)
             s = jnp.where(mask, s, MASK_VALUE)
-            m_prev = m_ref[rows, h].reshape(cq * G, LANES)[:, :1]
-            l_prev = l_ref[rows, h].reshape(cq * G, LANES)[:, :1]
+            # m and l stay lane-replicated (rows, 128) end to end: no lane slicing and
+            # re-broadcasting through the permute unit on every update.
+            m_prev = m_ref[rows, h].reshape(cq * G, LANES)
+            l_prev = l_ref[rows, h].reshape(cq * G, LANES)
             m_new = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
-            p = jnp.exp(s - m_new)
+            p = jnp.exp(s - _lanes(m_new, ckv))
             alpha = jnp.exp(m_prev - m_new)
             l_new = alpha * l_prev + p.sum(axis=1, keepdims=True)
             pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
             acc = acc_ref[rows, h].reshape(cq * G, Dp)
-            acc_ref[rows, h] = (alpha * acc + pv).reshape(cq, G, Dp)
-            m_ref[rows, h] = jnp.broadcast_to(m_new, (cq * G, LANES)).reshape(cq, G, LANES)
-            l_ref[rows, h] = jnp.broadcast_to(l_new, (cq * G, LANES)).reshape(cq, G, LANES)
+            acc_ref[rows, h] = (_lanes(alpha, Dp) * acc + pv).reshape(cq, G, Dp)
+            m_ref[rows, h] = m_new.reshape(cq, G, LANES)
+            l_ref[rows, h] = l_new.reshape(cq, G, LANES)
 
         def split_kv(kv, j):
             """kv: f32 (n, ps, pk, Dp) of one packed row -> K, V (n*ps, Dp) of its j-th head.
@@ -393,6 +426,24 @@ def _make_kernel(spec: KernelSpec):
             if v_scale is not None:
                 v = v * v_scale
             return k, v
+
+        # bf16 KV (packing 2): each (K, V) pair of a head is one uint32 word, so one head's
+        # K and V rows of a chunk are one sublane-strided load (stride = packed rows) of
+        # the block viewed as uint32. The interpreter cannot load through a reshaped /
+        # bitcast ref, so under interpret it loads the chunk and bitcasts the value; both
+        # read the same words (pltpu.bitcast packs rows 2i, 2i+1 into word i).
+        # Mosaic's strided load needs a 128-lane last dim, so head_dim > 128 keeps the
+        # unpack path too.
+        word_split = pk == 2 and Dp == LANES
+
+        def kv_words(kvslot, x, h):
+            """uint32 (ckv, Dp): word t = (K, V) of head h at row t of chunk x."""
+            if interpret:
+                raw = kv_buf[kvslot, pl.ds(x * pages_per_chunk, pages_per_chunk)]
+                words = pltpu.bitcast(raw.reshape(ckv * spec.kv_rows * pk, Dp), jnp.uint32)
+                return words.reshape(ckv, spec.kv_rows, Dp)[:, h, :]
+            words = kv_buf.at[kvslot].reshape(bkv * spec.kv_rows * pk, Dp).bitcast(jnp.uint32)
+            return words[pl.ds(x * (ckv * spec.kv_rows) + h, ckv, stride=spec.kv_rows), :]
 
         def compute_step(info, i, k_step, kvslot, c0, nc, n0):
             q_start, q_len, kv_len, ctx, _ = info
@@ -406,49 +457,81 @@ def _make_kernel(spec: KernelSpec):
             lo_pos = _max(0, q_first - window + 1) if window else 0
             qpos_tile = (q_first + _div(jax.lax.broadcasted_iota(jnp.int32, (cq * G, 1), 0), G))
 
+            # Decode runs only the chunks that hold visible keys, [x_lo, x_hi), computed
+            # from the step's bounds, so the loop body has no branch.
+            x_hi = _min(n_chunks, _cdiv(_max(0, _min(limit, q_hi) - base), ckv))
+            x_lo = _min(x_hi, _div(_max(0, lo_pos - base), ckv)) if window else 0
+
             def chunk(x, carry):
                 start = base + x * ckv
-                live = jnp.logical_and(start < limit, start < q_hi)
-                if window:
-                    live = jnp.logical_and(live, start + ckv > lo_pos)
+                k_pos = start + jax.lax.broadcasted_iota(jnp.int32, (1, ckv), 1)
+                kv_valid = k_pos < limit
+                row_ok = (start + jax.lax.broadcasted_iota(jnp.int32, (ckv, 1), 0)) < limit
 
-                @functools.partial(_when, live)
-                def _():
-                    k_pos = start + jax.lax.broadcasted_iota(jnp.int32, (1, ckv), 1)
-                    kv_valid = k_pos < limit
-                    v_ok = (start + jax.lax.broadcasted_iota(jnp.int32, (ckv, 1), 0)) < limit
+                def attend(h, kk, vv):
+                    def qc(y, carry3):
+                        flash_update(h, y, qpos_tile + y * cq, kk, vv, k_pos, kv_valid)
+                        return carry3
 
-                    def head_row(r, carry2):
-                        kv = kv_buf[kvslot, pl.ds(x * pages_per_chunk, pages_per_chunk), :, r]
-                        kv = kv.astype(jnp.float32)
-                        for j in range(heads_per_row):
-                            h = r * heads_per_row + j
-                            if isinstance(h, int) and h >= Hkv:
-                                break
-                            kk, vv = split_kv(kv, j)
-                            vv = jnp.where(v_ok, vv, 0.0)
-                            kk = kk.astype(jnp.bfloat16)
-                            vv = vv.astype(jnp.bfloat16)
+                    _loop(0, n_qchunks, qc, 0, unroll_static=n_qchunks <= 2 or analysis)
 
-                            def qc(y, carry3):
-                                qpos = qpos_tile + y * cq
-                                _when_head(h, lambda: flash_update(h, y, qpos, kk, vv, k_pos, kv_valid))
-                                return carry3
-
-                            _loop(0, n_qchunks, qc, 0, unroll_static=n_qchunks <= 2 or analysis)
+                if word_split:
+                    def one_head(h, carry2):
+                        kk, vv = _split_words(jnp.where(row_ok, kv_words(kvslot, x, h), 0), v_scale)
+                        attend(h, kk, vv)
                         return carry2
 
-                    # Analysis mode unrolls the head-row and q-chunk loops. As loops, the
-                    # compiler may schedule the tail of flash_update (the lane-broadcast pop
-                    # of l / m and its store) after the loop's back-edge branch; libtpu's
-                    # static profiler on TPU7x then skips those bundles whenever the branch is
-                    # taken, so a permute FIFO push is never popped and it aborts ("Cannot
-                    # schedule FIFO push instruction when the FIFO is full. FIFO name: kTrf1")
-                    # once more than 49 loop iterations ran. Straight-line code avoids it.
-                    _loop(0, spec.kv_rows, head_row, 0, unroll_static=spec.kv_rows <= 4 or analysis)
+                    # Heads are unrolled: the scheduler can overlap one head's QK / softmax
+                    # with another's PV. (As a loop, prefill / mixed hit the same profiler
+                    # abort on TPU7x as a chunk loop does; see below.) The price is VMEM:
+                    # the compiler may keep several heads' score tiles live, so large
+                    # (cq x group) x ckv tiles can stop fitting; the compiler's verdict per
+                    # config decides (the tuner records vmem_oom).
+                    for h in range(Hkv):
+                        one_head(h, 0)
+                    return carry
+
+                v_ok = row_ok
+
+                def head_row(r, carry2):
+                    kv = kv_buf[kvslot, pl.ds(x * pages_per_chunk, pages_per_chunk), :, r]
+                    kv = kv.astype(jnp.float32)
+                    for j in range(heads_per_row):
+                        h = r * heads_per_row + j
+                        if isinstance(h, int) and h >= Hkv:
+                            break
+                        kk, vv = split_kv(kv, j)
+                        vv = jnp.where(v_ok, vv, 0.0)
+                        kk = kk.astype(jnp.bfloat16)
+                        vv = vv.astype(jnp.bfloat16)
+                        _when_head(h, functools.partial(attend, h, kk, vv))
+                    return carry2
+
+                # Analysis mode unrolls the head-row and q-chunk loops. As loops, the
+                # compiler may schedule the tail of flash_update (the lane-broadcast pop
+                # of l / m and its store) after the loop's back-edge branch; libtpu's
+                # static profiler on TPU7x then skips those bundles whenever the branch is
+                # taken, so a permute FIFO push is never popped and it aborts ("Cannot
+                # schedule FIFO push instruction when the FIFO is full. FIFO name: kTrf1")
+                # once more than 49 loop iterations ran. Straight-line code avoids it.
+                _loop(0, spec.kv_rows, head_row, 0, unroll_static=spec.kv_rows <= 4 or analysis)
                 return carry
 
-            jax.lax.fori_loop(0, n_chunks, chunk, 0)
+            if decode:
+                jax.lax.fori_loop(x_lo, x_hi, chunk, 0)
+            else:
+                # Prefill / mixed: the chunks of a step are unrolled and all computed
+                # (masked), including any past the causal diagonal or the window. Skipping
+                # them, by a loop over the live range or a ``pl.when`` per chunk, made
+                # libtpu's static profiler on TPU7x abort ("Cannot schedule FIFO push ...
+                # FIFO name: kErf", at a vexp2) once a q block ran more than a few KV
+                # steps, so no prefill / mixed config could be ranked there. Unrolled
+                # chunks also estimate cheaper on v6e for non-diagonal steps (-18% for a
+                # q block against 4K of context) and dearer on the diagonal (+10% for a
+                # 2K causal chunk, bkv 1024 / ckv 256): the tuner sees this cost and
+                # prefers ckv close to bkv where the diagonal dominates.
+                for x in range(n_chunks):
+                    chunk(x, 0)
 
         def _when_head(h, fn):
             if isinstance(h, int) or Hkv % heads_per_row == 0:
@@ -469,14 +552,13 @@ def _make_kernel(spec: KernelSpec):
                 s = jnp.sum(q * kk, axis=1, keepdims=True) * scale           # (G, 1)
                 if spec.soft_cap is not None:
                     s = spec.soft_cap * jnp.tanh(s / spec.soft_cap)
-                m_prev = m_ref[0, h][:, :1]
-                l_prev = l_ref[0, h][:, :1]
-                m_new = jnp.maximum(m_prev, s)
+                m_prev = m_ref[0, h]
+                m_new = jnp.maximum(m_prev, s)                   # (G, 128)
                 p = jnp.exp(s - m_new)
                 alpha = jnp.exp(m_prev - m_new)
-                l_ref[0, h] = jnp.broadcast_to(alpha * l_prev + p, (G, LANES))
-                m_ref[0, h] = jnp.broadcast_to(m_new, (G, LANES))
-                acc_ref[0, h] = alpha * acc_ref[0, h] + p * vv
+                l_ref[0, h] = alpha * l_ref[0, h] + p
+                m_ref[0, h] = m_new
+                acc_ref[0, h] = _lanes(alpha, Dp) * acc_ref[0, h] + _lanes(p, Dp) * vv
 
         def finalize(oslot):
             inv = 1.0 / l_ref[...][..., :1]
@@ -590,16 +672,22 @@ def build_case_call(spec: KernelSpec, *, q_shape, q_dtype, newkv_shape, cache_sh
         pltpu.SemaphoreType.DMA((5, 2)),
     ]
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
+    # Analysis mode reads its metadata from static SMEM stores, so the four metadata
+    # arrays are passed as plain (unread) operands rather than scalar-prefetched: on v5e,
+    # XLA places small operands in VMEM and libtpu's static profiler rejects the
+    # VMEM -> SMEM prefetch DMA ("Unsupported DMA direction: 10 on VL/VLP"). The kernel's
+    # operand order is the same either way.
+    n_prefetch = 0 if spec.static_meta is not None else 4
     params = dict(dimension_semantics=("arbitrary",))
     if vmem_limit_bytes is not None:
         params["vmem_limit_bytes"] = int(vmem_limit_bytes)
-    return pl.pallas_call(
-        _make_kernel(spec),
+    call = pl.pallas_call(
+        _make_kernel(spec, interpret=bool(interpret)),
         out_shape=(jax.ShapeDtypeStruct(q_shape, q_dtype),
                    jax.ShapeDtypeStruct(cache_shape, cache_dtype)),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=4, grid=(1,),
-            in_specs=[any_spec] * 4, out_specs=[any_spec, any_spec],
+            num_scalar_prefetch=n_prefetch, grid=(1,),
+            in_specs=[any_spec] * (8 - n_prefetch), out_specs=[any_spec, any_spec],
             scratch_shapes=scratch),
         # operand indices count the 4 scalar-prefetch arrays: cache is #6, o_in is #7
         input_output_aliases={7: 0, 6: 1},
@@ -607,3 +695,8 @@ def build_case_call(spec: KernelSpec, *, q_shape, q_dtype, newkv_shape, cache_sh
         interpret=interpret,
         name=spec.name,
     )
+    if n_prefetch:
+        return call
+    # (as 2-D operands: Pallas checks rank-1 blocks against the local TPU's sublane count,
+    # which a deviceless compile does not have)
+    return lambda *args: call(*(a.reshape(1, -1) for a in args[:4]), *args[4:])

@@ -56,13 +56,18 @@ def test_mixed_sample_holds_the_heavy_q_blocks():
 
 
 def test_scale_tracks_the_work_of_uniform_decode_batches():
-    # same total KV bytes -> same scaled proxy work; twice the bytes -> about twice
+    # the scaled sample carries exactly the whole batch's proxy work; twice the bytes per
+    # sequence is less than twice the work (the per-sequence overhead does not double),
+    # the same bytes in fewer sequences a little less work
     def work(n, kv):
         s, scale, _ = analysis.sample_for_estimate(Workload.of_case("decode", [1] * n, [kv] * n),
                                                    "decode", 1, LLAMA)
+        assert s.num_seqs == analysis.MAX_SAMPLED_ITEMS[Case.DECODE] < n
         return scale * sum(analysis._proxy((1, e), LLAMA) for e in s.kv_lens)
-    assert work(64, 4096) == pytest.approx(work(128, 2048), rel=0.1)
-    assert work(128, 4096) == pytest.approx(2 * work(128, 2048), rel=0.1)
+    for n, kv in ((64, 4096), (128, 2048), (128, 4096)):
+        assert work(n, kv) == pytest.approx(n * analysis._proxy((1, kv), LLAMA), rel=1e-9)
+    assert 1.5 < work(128, 4096) / work(128, 2048) < 2.0
+    assert 0.75 < work(64, 4096) / work(128, 2048) < 1.0
 
 
 def test_prefill_sample_depends_on_bq_only():

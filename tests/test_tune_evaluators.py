@@ -3,6 +3,7 @@ limit policy and pre-filter against real deviceless compiles, interpret correctn
 
 import pytest
 
+from kernel import analysis
 from kernel.config import GENERATIONS, BlockSizes, Case
 from kernel.workload import ModelShape, ServingLimits, Workload
 from rpa_tune import cli, prefilter
@@ -190,19 +191,25 @@ def _estimate(case, workload, lim, bs):
 
 def test_estimate_grows_with_context_and_sequences():
     """The compile backend's metric follows the workload: 4x the context or 4x the
-    sequences gives a clearly larger time (memory traffic grows ~4x). 12 sequences are
-    estimated from a sample of 3 (kernel.analysis.sample_for_estimate), which must agree
-    with 4x the cost of 3 sequences compiled whole."""
+    sequences gives a clearly larger time (memory traffic grows ~4x). 24 sequences are
+    estimated from a sample (kernel.analysis.sample_for_estimate), which must agree with
+    the same 24 compiled whole."""
     lim = ServingLimits(page_size=128, max_num_tokens=512, max_num_seqs=64, max_model_len=8192)
+    bs = BlockSizes(1, 1024, 1, 256)
 
     def metric(n, kv):
-        return _estimate("decode", Workload.of_case("decode", [1] * n, [kv] * n), lim, BlockSizes(1, 1024, 1, 256))
+        return _estimate("decode", Workload.of_case("decode", [1] * n, [kv] * n), lim, bs)
 
-    base_r, long_r, many_r = metric(3, 1024), metric(3, 4096), metric(12, 1024)
+    base_r, long_r, many_r = metric(6, 1024), metric(6, 4096), metric(24, 1024)
     assert long_r.cycles > 2 * base_r.cycles and many_r.cycles > 2 * base_r.cycles
-    assert many_r.cycles == pytest.approx(4 * base_r.cycles, rel=0.15) and "sampled 3 of 12" in many_r.message
     assert long_r.metric > 2 * base_r.metric and many_r.metric > 2 * base_r.metric
     assert base_r.active_bound in ("estimate", "memory", "compute")
+    n = analysis.MAX_SAMPLED_ITEMS[Case.DECODE]
+    assert f"sampled {n} of 24" in many_r.message
+    full = analysis.estimate(Workload.of_case("decode", [1] * 24, [1024] * 24), bs, "v6e", LLAMA,
+                             lim, "decode", max_items=24)
+    assert full["status"] == "ok"
+    assert many_r.cycles == pytest.approx(full["cycles"], rel=0.2)
 
 
 def test_causal_prefill_estimate_grows_faster_than_linearly():
