@@ -1,6 +1,7 @@
 """Evaluators: backend selection, timing statistics (fake timer, synthetic profile), the VMEM
 limit policy and pre-filter against real deviceless compiles, interpret correctness."""
 
+import numpy as np
 import pytest
 
 from kernel import analysis
@@ -221,3 +222,29 @@ def test_causal_prefill_estimate_grows_faster_than_linearly():
         return _estimate("prefill", Workload.of_case("prefill", [n], [n]), lim, BlockSizes(128, 512, 128, 256)).cycles
 
     assert cycles(2048) > 2.8 * cycles(1024)
+
+
+def test_reference_mismatches_names_each_problem():
+    """The check both the interpret and the tpu backends apply to a kernel call."""
+    from rpa_tune.evaluators.interpret import reference_mismatches
+    rng = np.random.default_rng(0)
+    ref_out = rng.standard_normal((6, 4, 128)).astype(np.float32)
+    ref_cache = rng.standard_normal((3, 16, 2, 2, 128)).astype(np.float32)
+    assert reference_mismatches(ref_out.copy(), ref_cache.copy(), ref_out, ref_cache, 5, "bfloat16") == []
+    off = ref_out.copy()
+    off[5] += 1.0                      # past num_tokens: padding rows are not compared
+    assert reference_mismatches(off, ref_cache, ref_out, ref_cache, 5, "bfloat16") == []
+    off[2, 1, 3] += 1.0
+    assert reference_mismatches(off, ref_cache, ref_out, ref_cache, 5, "bfloat16") == [
+        "1 of 2560 outputs off (max abs err 1)"]
+    nan = ref_out.copy()
+    nan[0, 0, 0] = np.nan
+    assert reference_mismatches(nan, ref_cache, ref_out, ref_cache, 5, "bfloat16") == ["non-finite outputs"]
+    flipped = ref_cache.copy()
+    flipped.view(np.uint32)[1, 2, 0, 1, 7] ^= 1     # one bit of one slot
+    assert reference_mismatches(ref_out, flipped, ref_out, ref_cache, 5, "bfloat16") == [
+        "KV cache differs from the reference update"]
+    # fp8 caches get the looser tolerance
+    near = ref_out + 0.025 * (1 + np.abs(ref_out))
+    assert reference_mismatches(near, ref_cache, ref_out, ref_cache, 5, "float8_e4m3fn") == []
+    assert reference_mismatches(near, ref_cache, ref_out, ref_cache, 5, "bfloat16") != []

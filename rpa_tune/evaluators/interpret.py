@@ -52,6 +52,29 @@ def interpret_problem(task: Task) -> tuple[ServingLimits, Workload]:
     return limits, w
 
 
+def reference_mismatches(out, cache, ref_out, ref_cache, num_tokens: int, kv_dtype) -> list[str]:
+    """What differs between a kernel call and the reference: outputs of the first
+    ``num_tokens`` rows beyond ``atol = rtol = 2e-2`` (3e-2 for an fp8 cache), non-finite
+    outputs, or a KV cache not bit-identical to the reference update. Empty when they
+    agree."""
+    out, cache = np.asarray(out), np.asarray(cache)
+    got, want = out[:num_tokens].astype(np.float32), np.asarray(ref_out)[:num_tokens].astype(np.float32)
+    tol = 3e-2 if "float8" in str(kv_dtype) else 2e-2
+    problems = []
+    if not np.all(np.isfinite(got)):
+        problems.append("non-finite outputs")
+    else:
+        err = np.abs(got - want)
+        bad = err > tol + tol * np.abs(want)
+        if bad.any():
+            problems.append(f"{int(bad.sum())} of {bad.size} outputs off (max abs err {float(err.max()):.3g})")
+    ref_cache = np.asarray(ref_cache)
+    u8 = lambda a: a.view(np.uint8)
+    if cache.shape != ref_cache.shape or not np.array_equal(u8(cache), u8(ref_cache)):
+        problems.append("KV cache differs from the reference update")
+    return problems
+
+
 def block_sizes_arg(case) -> str:
     """The ``kernel.ragged_paged_attention`` keyword of a case's block sizes."""
     return {"decode": "d", "prefill": "p", "mixed": "m"}[Case.parse(case).value] + "_block_sizes"
@@ -84,20 +107,7 @@ class InterpretEvaluator(Evaluator):
         corrupt = os.environ.get(CORRUPT_ENV)
         if corrupt and corrupt in ("*", task.bs.label()):
             out = (out.astype(np.float32) + 1.0).astype(out.dtype)
-        n = w.num_tokens
-        got, want = out[:n].astype(np.float32), ref_out[:n].astype(np.float32)
-        tol = 3e-2 if "float8" in task.model.kv_dtype else 2e-2
-        problems = []
-        if not np.all(np.isfinite(got)):
-            problems.append("non-finite outputs")
-        else:
-            err = np.abs(got - want)
-            bad = err > tol + tol * np.abs(want)
-            if bad.any():
-                problems.append(f"{int(bad.sum())} of {bad.size} outputs off (max abs err {float(err.max()):.3g})")
-        u8 = lambda a: a.view(np.uint8)
-        if cache.shape != ref_cache.shape or not np.array_equal(u8(cache), u8(ref_cache)):
-            problems.append("KV cache differs from the reference update")
+        problems = reference_mismatches(out, cache, ref_out, ref_cache, w.num_tokens, task.model.kv_dtype)
         desc = f"workload q={list(w.q_lens)} kv={list(w.kv_lens)}, page {limits.page_size}"
         if problems:
             return EvalResult(base.WRONG_RESULT, self.method, compile_s=run_s, device_kind="cpu (interpret)",

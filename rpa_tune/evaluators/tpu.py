@@ -5,7 +5,9 @@ device; jit ``kernel.ragged_paged_attention`` with the case's block sizes and an
 ``vmem_limit_bytes`` (same policy as the compile backend: the kernel's default, raised
 to the compiler's reported need after a scoped-limit OOM); compile once (compile time
 recorded); warm up; then time calls, each blocked on its result. The KV cache argument
-is donated, so every call is fed the cache the previous call returned.
+is donated, so every call is fed the cache the previous call returned. Before timing, the
+first call's output and updated cache are compared with ``kernel.reference`` (same rule as
+the interpret backend); a mismatch is ``wrong_result``.
 
 Host wall-clock per call is used when the median call takes at least
 ``DEVICE_TIME_BELOW_S`` (1 ms); shorter calls are dominated by dispatch overhead, so the
@@ -162,7 +164,7 @@ def tpu_generation_present(probe: dict) -> str | None:
 class TpuEvaluator(Evaluator):
     name = "tpu"
     method = "measured"
-    version = "1"
+    version = "2"
 
     def evaluate(self, task: Task) -> EvalResult:
         import jax
@@ -211,7 +213,20 @@ class TpuEvaluator(Evaluator):
                 return EvalResult(status, self.method, vmem_limit_bytes=limit, device_kind=dev.device_kind,
                                   vmem_reported_bytes=oom["used_bytes"] if oom else None,
                                   compile_s=time.perf_counter() - t0, message="; ".join(notes + [msg[-1500:]]))
-        state = {"cache": args[3]}
+        # The compiled kernel takes paths the interpreter cannot run (the strided uint32
+        # view of the KV block), so every config is checked against the reference on the
+        # device before it is timed: a wrong config is recorded as wrong_result and never
+        # wins.
+        from .interpret import reference_mismatches
+        ref_out, ref_cache = kernel.reference.ragged_paged_attention(**inp, sm_scale=task.model.head_dim ** -0.5)
+        out0, cache0 = compiled(*args)
+        problems = reference_mismatches(out0, cache0, ref_out, ref_cache, task.workload.num_tokens,
+                                        task.model.kv_dtype)
+        if problems:
+            return EvalResult(base.WRONG_RESULT, self.method, compile_s=compile_s, vmem_limit_bytes=limit,
+                              device_kind=dev.device_kind, samples=1,
+                              message="; ".join(notes + problems + ["(checked on the device against kernel.reference)"]))
+        state = {"cache": cache0}
 
         def step():
             out, state["cache"] = compiled(*args[:3], state["cache"], *args[4:])
