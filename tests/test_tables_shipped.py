@@ -36,6 +36,17 @@ def test_table_file_loads_and_mirrors(path):
             assert e.gain is None or e.gain > e.margin
 
 
+def test_shipped_tables_cover_three_generations_cases_and_presets():
+    """What the tables promise (README, "What is shipped"): v5e, v6e and TPU7x, each case,
+    for the Llama-3-8B shard and two more presets (Llama-3-70B at TP8, Qwen3-32B at TP4),
+    at the 2048-token bucket; an entry is written even where the heuristic was kept."""
+    keys = {(e.key.generation, e.key.case, e.key.num_q_heads, e.key.num_kv_heads, e.key.max_num_tokens)
+            for p in FILES for e in kt.Table.read(p).entries}
+    missing = [(gen, case, q, kv) for gen in ("v5e", "v6e", "tpu7x") for case in ("decode", "prefill", "mixed")
+               for q, kv in ((32, 8), (8, 1), (16, 2)) if (gen, case, q, kv, 2048) not in keys]
+    assert not missing, missing
+
+
 def test_shipped_tables_load_without_problems(monkeypatch, caplog):
     for var in ("RPA_TABLE", "RPA_SHIPPED_TABLES", "RPA_TABLE_STRICT"):
         monkeypatch.delenv(var, raising=False)
