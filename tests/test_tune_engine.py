@@ -121,6 +121,25 @@ def _workers_of(parent_pid: int) -> list[int]:
     return out
 
 
+def _workers_still_running(workers: list[int], timeout: float) -> list[int]:
+    """Wait up to ``timeout`` s for the worker processes to be gone; those still alive."""
+    def alive():
+        out = []
+        for w in workers:
+            try:
+                if b"rpa_tune.worker" in Path(f"/proc/{w}/cmdline").read_bytes():
+                    out.append(w)
+            except OSError:     # gone
+                pass
+        return out
+    deadline = time.monotonic() + timeout
+    left = alive()
+    while left and time.monotonic() < deadline:
+        time.sleep(0.1)
+        left = alive()
+    return left
+
+
 def test_kill_9_of_a_real_sweep_then_resume(fake, tmp_path):
     """Start `rpa-tune sweep`, SIGKILL it mid-sweep, rerun: nothing finished is lost or redone."""
     res = tmp_path / "res"
@@ -139,11 +158,7 @@ def test_kill_9_of_a_real_sweep_then_resume(fake, tmp_path):
     before = ResultStore(res).read()
     done_before = set(before.config_id)
     assert 5 <= len(before) < 18
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and any(Path(f"/proc/{w}").exists() for w in workers):
-        time.sleep(0.1)
-    assert not any(Path(f"/proc/{w}").exists() and b"rpa_tune.worker" in Path(f"/proc/{w}/cmdline").read_bytes()
-                   for w in workers), "workers die with the killed sweep"
+    assert not _workers_still_running(workers, 30), "workers die with the killed sweep"
     n_eval_before = len(evaluated(fake))
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
@@ -173,10 +188,4 @@ def test_workers_busy_in_native_code_die_with_a_killed_sweep(fake, tmp_path):
     assert len(workers) == 2
     os.kill(p.pid, signal.SIGKILL)
     p.wait(timeout=30)
-    deadline = time.monotonic() + 10
-    alive = workers
-    while alive and time.monotonic() < deadline:
-        time.sleep(0.1)
-        alive = [w for w in workers if Path(f"/proc/{w}").exists()
-                 and b"rpa_tune.worker" in Path(f"/proc/{w}/cmdline").read_bytes()]
-    assert not alive, "blocked workers outlived the killed sweep"
+    assert not _workers_still_running(workers, 10), "blocked workers outlived the killed sweep"

@@ -189,10 +189,11 @@ class TpuEvaluator(Evaluator):
         inp = make_inputs(task.model, task.limits, task.workload, seed=task.seed)
         order = ("queries", "keys", "values", "kv_cache", "kv_lens", "page_indices", "cu_q_lens", "distribution")
         args = [jax.device_put(jnp.asarray(inp[k]), dev) for k in order]
+        sm_scale = task.model.head_dim ** -0.5
         notes = []
         compile_s = None
         while True:
-            fn = jax.jit(functools.partial(kernel.ragged_paged_attention, sm_scale=task.model.head_dim ** -0.5,
+            fn = jax.jit(functools.partial(kernel.ragged_paged_attention, sm_scale=sm_scale,
                                            vmem_limit_bytes=limit, **{block_sizes_arg(task.case): tuple(task.bs)}),
                          donate_argnums=(3,))
             t0 = time.perf_counter()
@@ -218,7 +219,7 @@ class TpuEvaluator(Evaluator):
         # device before it is timed: a wrong config is recorded as wrong_result and never
         # wins.
         from .interpret import reference_mismatches
-        ref_out, ref_cache = kernel.reference.ragged_paged_attention(**inp, sm_scale=task.model.head_dim ** -0.5)
+        ref_out, ref_cache = kernel.reference.ragged_paged_attention(**inp, sm_scale=sm_scale)
         out0, cache0 = compiled(*args)
         problems = reference_mismatches(out0, cache0, ref_out, ref_cache, task.workload.num_tokens,
                                         task.model.kv_dtype)
