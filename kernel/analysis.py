@@ -113,7 +113,9 @@ def lower_deviceless(model: ModelShape, limits: ServingLimits, tpu: str, block_s
                             cases=cases, **attn_options)
     fn = lambda *a: _rpa_jit(*a, options=options, interpret=None)
     order = ("queries", "keys", "values", "kv_cache", "kv_lens", "page_indices", "cu_q_lens", "distribution")
-    return jax.jit(fn).lower(*(args[k] for k in order))
+    # donate the cache as the serving call does (_rpa_jit donates kv_cache): without it XLA
+    # adds a full copy of the cache that production does not have.
+    return jax.jit(fn, donate_argnums=(order.index("kv_cache"),)).lower(*(args[k] for k in order))
 
 
 # ----------------------------------------------------------------- static workloads
@@ -129,30 +131,16 @@ def canonical_order(workload: Workload) -> Workload:
 
 
 def static_meta_for(workload: Workload, limits: ServingLimits) -> tuple:
-    """Per case: (segments, kv_lens, cu_q_lens) with segments = ((lo, hi, q_len), ...)."""
-    w = canonical_order(workload)
-    meta, _ = w.metadata(limits, shuffle_pages=False)
+    """Per case: ``((lo, hi), q_lens, kv_lens, cu_q_lens)``: the case's sequence range, their
+    static q lengths, and the metadata the kernel stores at static SMEM addresses."""
+    meta, _ = workload.metadata(limits, shuffle_pages=False)
     kv = tuple(int(x) for x in meta["kv_lens"])
     cu = tuple(int(x) for x in meta["cu_q_lens"])
-    per_case = []
+    out = []
     for case in CASES:
-        lo, hi = w.case_range(case)
-        segs = []
-        s = lo
-        while s < hi:
-            e = s
-            while e < hi and (w.q_lens[e], w.kv_lens[e]) == (w.q_lens[s], w.kv_lens[s]):
-                e += 1
-            segs.append((s, e, w.q_lens[s]))
-            s = e
-        if len(segs) > 1:
-            # Measured (v6e): a segment of several sequences is costed right when it is
-            # the case's only segment, but not after another one (decode kv (1651, 5602,
-            # 5602): 163k cycles, the parts cost 55k + 2 x 156k). So a case of several
-            # segments is walked one sequence per segment.
-            segs = [(i, i + 1, w.q_lens[i]) for i in range(lo, hi)]
-        per_case.append((tuple(segs), kv, cu))
-    return tuple(per_case)
+        lo, hi = workload.case_range(case)
+        out.append(((lo, hi), tuple(int(q) for q in workload.q_lens[lo:hi]), kv, cu))
+    return tuple(out)
 
 
 def estimate_limits(workload: Workload, limits: ServingLimits, block_sizes: dict) -> ServingLimits:
@@ -161,6 +149,21 @@ def estimate_limits(workload: Workload, limits: ServingLimits, block_sizes: dict
     bq = max([b.bq for b in block_sizes.values() if b is not None] + [1])
     return dataclasses.replace(limits, max_num_tokens=round_up(max(workload.num_tokens, bq, 8), 8),
                                max_num_seqs=max(1, workload.num_seqs))
+
+
+def estimate_num_pages(workload: Workload, model: ModelShape, limits: ServingLimits, tpu: str) -> int:
+    """Pages of the KV cache an estimate compiles with: the workload's own, and at least
+    enough for the cache to be twice the generation's VMEM. XLA keeps a cache that size
+    in HBM, as a serving cache always is; a cache cut to a small workload's size was
+    placed in VMEM (even donated), and the kernel's page DMAs were then costed VMEM ->
+    VMEM. The size costs the profiler nothing more (v6e prefill probe: 512 and 4096 pages
+    give the same cycles, time and memory)."""
+    import numpy as np
+    from .hardware import tpu_info
+    page_bytes = int(np.prod(get_kv_cache_shape(1, limits.page_size, model.num_kv_heads, model.head_dim,
+                                                np.dtype(model.kv_dtype)))) * np.dtype(model.kv_dtype).itemsize
+    need = sum(cdiv(k, limits.page_size) for k in workload.kv_lens) + 1
+    return max(need, cdiv(2 * int(tpu_info(tpu).vmem_capacity_bytes), page_bytes))
 
 
 def lower_for_estimate(workload: Workload, block_sizes, tpu: str, model: ModelShape,
@@ -189,7 +192,7 @@ def lower_for_estimate(workload: Workload, block_sizes, tpu: str, model: ModelSh
     limits = estimate_limits(workload, limits, bsd)
     meta = static_meta_for(workload, limits)
     return lower_deviceless(model, limits, tpu, bsd, cases=(case.value,), static_meta=meta,
-                            num_pages=max(2, sum(cdiv(k, limits.page_size) for k in workload.kv_lens) + 1),
+                            num_pages=estimate_num_pages(workload, model, limits, tpu),
                             **attn_options)
 
 

@@ -235,7 +235,7 @@ def _make_kernel(spec: KernelSpec, interpret: bool = False):
                cnt_ref, meta_ref, sems):
         del o_in_hbm, cache_hbm  # aliased to the outputs
         if analysis:
-            segments, kv_lens_c, cu_c = spec.static_meta
+            seq_range, q_lens_c, kv_lens_c, cu_c = spec.static_meta
             for i, v in enumerate(kv_lens_c):
                 meta_ref[i] = v
             for i, v in enumerate(cu_c):
@@ -252,7 +252,7 @@ def _make_kernel(spec: KernelSpec, interpret: bool = False):
             page_of = lambda i: page_idx_ref[i]
             seq_lo = 0 if lo_idx is None else dist_ref[lo_idx]
             seq_hi = dist_ref[hi_idx]
-            segments = ((seq_lo, seq_hi, None),)
+            seq_range, q_lens_c = (seq_lo, seq_hi), None
 
         def clamp_seq(s):
             return _min(s, spec.max_num_seqs - 1)
@@ -314,7 +314,12 @@ def _make_kernel(spec: KernelSpec, interpret: bool = False):
                 limit = ctx
             valid = _max(0, _min(bkv, limit - blk * bkv))
             npages = _cdiv(valid, ps)
-            cnt_ref[slot] = npages
+            # Pages in flight per KV slot, at static SMEM addresses 0 / 1 (slot is 0 or 1):
+            # libtpu's static profiler does not follow SMEM at a dynamic address, and a
+            # wait count read that way made its estimate depend on the order of the
+            # sequences (v6e decode, the same 8 contexts: 158k cycles sorted, 245k not).
+            cnt_ref[0] = _select_lt(slot, 1, npages, cnt_ref[0])
+            cnt_ref[1] = _select_lt(slot, 1, cnt_ref[1], npages)
             sc = clamp_seq(s)
 
             def one_page(p, carry):
@@ -338,7 +343,7 @@ def _make_kernel(spec: KernelSpec, interpret: bool = False):
             jax.lax.fori_loop(0, pages_per_block, one_page, 0)
 
         def wait_kv(slot):
-            n = cnt_ref[slot]
+            n = _select_lt(slot, 1, cnt_ref[0], cnt_ref[1])
 
             def one_page(p, carry):
                 @pl.when(p < n)
@@ -567,11 +572,11 @@ def _make_kernel(spec: KernelSpec, interpret: bool = False):
         # ---------------------------------------------------------- pipeline
         qslot_ref = cnt_ref.at[pl.ds(2, 1)]   # current q slot (read inside flash_update)
 
-        def run_segment(seg_lo, seg_hi, static_q_len):
-            nq_static = None
-            if static_q_len is not None:
-                nq_static = 1 if decode else max(1, cdiv(static_q_len, bq))
-
+        def run_case(seg_lo, seg_hi, static_q_lens):
+            """Every sequence of the case through one pipeline. Analysis mode passes the
+            static q lengths: the sequence and q-block loops are then unrolled (same
+            bodies, same cross-sequence prefetch), so every SMEM address and trip count
+            is static for the profiler."""
             def run():
                 fetch_q(seg_lo, 0, 0)
                 fetch_kv(seg_lo, 0, 0, 0)
@@ -580,7 +585,7 @@ def _make_kernel(spec: KernelSpec, interpret: bool = False):
                 cnt_ref[5] = 0  # o slot
                 cnt_ref[6] = 0  # o write pending
 
-                def seq_body(s, carry):
+                def seq_body(s, carry, nq_static=None):
                     info = seq_info(s)
                     q_start, q_len, kv_len, ctx, nq = info
                     cache_update(s, info, do_wait=False)
@@ -639,7 +644,11 @@ def _make_kernel(spec: KernelSpec, interpret: bool = False):
                     cache_update(s, info, do_wait=True)
                     return carry
 
-                jax.lax.fori_loop(seg_lo, seg_hi, seq_body, 0)
+                if static_q_lens is None:
+                    jax.lax.fori_loop(seg_lo, seg_hi, seq_body, 0)
+                else:
+                    for s, q_len_s in zip(range(seg_lo, seg_hi), static_q_lens):
+                        seq_body(s, 0, 1 if decode else max(1, cdiv(q_len_s, bq)))
 
                 @pl.when(cnt_ref[6] == 1)
                 def _():
@@ -647,8 +656,7 @@ def _make_kernel(spec: KernelSpec, interpret: bool = False):
 
             _when(seg_lo < seg_hi, run)
 
-        for seg in segments:
-            run_segment(*seg)
+        run_case(*seq_range, q_lens_c)
 
     return kernel
 

@@ -1,0 +1,81 @@
+"""The kernel's walk over a workload, in plain Python: q blocks, KV steps, pages, chunks.
+
+``plan(case, bs, page_size, q_len, kv_len)`` lists, for one sequence, what ``kernel.rpa``
+does: its q blocks, and per q block the KV steps (cached context gathered page by page from
+the cache, then the new tokens read from the packed new-KV array), the pages each step
+fetches, and the ``ckv`` chunks each step computes (decode: only the chunks holding
+visible keys; prefill / mixed: every chunk of the step, masked). It mirrors
+``qblock_steps`` / ``fetch_kv`` / ``compute_step`` in ``kernel/rpa.py`` line for line;
+``tests/test_estimator_compose.py`` checks it against the DMAs in libtpu's simulated trace.
+The estimator counts its features to compose a workload's cost from probe compiles.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+from .config import BlockSizes, Case, cdiv
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    cached: bool     # KV from the cache (pages) or from the new tokens' array
+    pages: int       # page-sized DMAs issued
+    chunks: int      # ckv chunks computed
+
+
+def plan(case: Case | str, bs: BlockSizes, page_size: int, q_len: int, kv_len: int,
+         sliding_window: int | None = None) -> list[list[Step]]:
+    """The KV steps of each q block of one sequence."""
+    case = Case.parse(case)
+    bq, bkv, _, ckv = bs
+    decode = case == Case.DECODE
+    ctx = kv_len - q_len
+    nq = 1 if decode else max(1, cdiv(q_len, bq))
+    n_chunks = bkv // ckv
+    out = []
+    for i in range(nq):
+        q_first = ctx + i * bq
+        q_hi = ctx + min((i + 1) * bq, q_len)
+        lo = max(0, q_first - sliding_window + 1) if sliding_window else 0
+        c0 = lo // bkv
+        nc = max(0, cdiv(ctx, bkv) - c0)
+        if decode:
+            n0, nn, nc = 0, 0, max(1, nc)
+        else:
+            n0 = max(0, lo - ctx) // bkv
+            nn = max(1, cdiv(q_hi - ctx, bkv) - n0)
+        steps = []
+        for k in range(nc + nn):
+            cached = k < nc
+            blk = c0 + k if cached else n0 + k - nc
+            limit = ctx if (cached or decode) else q_len
+            valid = max(0, min(bkv, limit - blk * bkv))
+            if decode:
+                base = blk * bkv
+                x_hi = min(n_chunks, cdiv(max(0, min(limit, q_hi) - base), ckv))
+                x_lo = min(x_hi, max(0, lo - base) // ckv) if sliding_window else 0
+                chunks = x_hi - x_lo
+            else:
+                chunks = n_chunks
+            steps.append(Step(cached, cdiv(valid, page_size), chunks))
+        out.append(steps)
+    return out
+
+
+FEATURES = ("call", "seq", "qblock", "step", "page_cached", "page_new", "chunk")
+
+
+def features(case: Case | str, bs: BlockSizes, page_size: int, q_lens, kv_lens,
+             sliding_window: int | None = None) -> dict[str, int]:
+    """Counts of what the kernel does for these sequences (one call of ``case``)."""
+    c = collections.Counter(call=1)
+    for q, kv in zip(q_lens, kv_lens):
+        c["seq"] += 1
+        for steps in plan(case, bs, page_size, q, kv, sliding_window):
+            c["qblock"] += 1
+            for st in steps:
+                c["step"] += 1
+                c["page_cached" if st.cached else "page_new"] += st.pages
+                c["chunk"] += st.chunks
+    return {f: c[f] for f in FEATURES}

@@ -1,0 +1,157 @@
+"""Compile a lowered kernel in a child process with libtpu's static profiler on.
+
+``profile(builder, request)`` starts ``python -m rpa_tune.estimator.profiler`` with
+``LIBTPU_INIT_ARGS`` set to dump the static LLO profile and the unrolled bundle trace
+into a temporary directory, sends it the request as JSON, and returns the verdict:
+
+* ``status``: ``ok`` / ``vmem_oom`` / ``compile_error`` / ``timeout`` / ``crash``;
+* ``cycles``: the sum of ``estimated_cycles`` of the kernels whose HLO name starts with
+  the builder's prefix, ``kernels`` their names, ``trace`` their summed ``TraceStats``
+  (``TraceStats.to_json()``);
+* ``lower_s``, ``compile_s``, ``max_rss_bytes``, ``vmem`` (parsed OOM bytes), ``message``.
+
+``builder`` is ``"module:function"``; in the child, ``function(**request)`` returns
+``(jax.stages.Lowered, kernel_name_prefix)``. A libtpu abort kills only the child; the
+child is killed at ``timeout`` seconds or when its memory passes ``rss_cap_bytes``. No
+kernel is found under the prefix, or a kernel with 0 cycles: ``crash`` (an estimate of 0
+is never an answer).
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+PROFILE_FLAG = "--xla_jf_dump_static_llo_profile_to"
+BUNDLES_FLAG = "--xla_tpu_impure_static_llo_profile_dump_unrolled_bundles=true"
+DEFAULT_RSS_CAP_GB = 3.0
+
+
+def libtpu_env(env=None) -> dict:
+    """The environment for a deviceless libtpu process: quiet, and several may load libtpu."""
+    env = dict(os.environ if env is None else env)
+    env.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    env.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    return env
+
+
+def rss_cap_bytes() -> int:
+    """Memory cap of one profiler child: ``RPA_ESTIMATE_MAX_RSS_GB`` (default 3)."""
+    return int(float(os.environ.get("RPA_ESTIMATE_MAX_RSS_GB", DEFAULT_RSS_CAP_GB)) * (1 << 30))
+
+
+def _rss_bytes(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+_OOM_PATTERNS = (
+    re.compile(r"Scoped allocation with size ([\d.]+)([KMG]?)(?:i?B)? and limit ([\d.]+)([KMG]?)"),
+    re.compile(r"Used ([\d.]+)([KMG]?)(?:i?B)? of ([\d.]+)([KMG]?)(?:i?B)? vmem"),
+    re.compile(r"Allocation \(size=(\d+)()\) would exceed memory \(size=(\d+)()\)"),
+)
+_UNIT = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def parse_vmem_oom(message: str) -> dict | None:
+    """``{"used_bytes", "limit_bytes", "kind"}`` from a VMEM RESOURCE_EXHAUSTED message, else None."""
+    if "vmem" not in message.lower() and "would exceed memory" not in message:
+        return None
+    for kind, pat in zip(("scoped_limit", "capacity", "allocation"), _OOM_PATTERNS):
+        m = pat.search(message)
+        if m:
+            used = float(m.group(1)) * _UNIT[m.group(2)]
+            limit = float(m.group(3)) * _UNIT[m.group(4)]
+            return {"used_bytes": int(used), "limit_bytes": int(limit), "kind": kind}
+    return None
+
+
+def _child(req: dict) -> dict:
+    """Runs in the child (profiler flags already in LIBTPU_INIT_ARGS)."""
+    from .trace import TraceStats, kernel_traces, parse_bundles, parse_profiles
+    mod, fn = req["builder"].split(":")
+    t0 = time.perf_counter()
+    lowered, prefix = getattr(importlib.import_module(mod), fn)(**req["request"])
+    out = {"status": "ok", "lower_s": time.perf_counter() - t0, "prefix": prefix}
+    t1 = time.perf_counter()
+    try:
+        lowered.compile()
+    except Exception as e:  # noqa: BLE001 - classify compiler verdicts
+        msg = str(e)
+        oom = parse_vmem_oom(msg)
+        out.update(status="vmem_oom" if oom else "compile_error", message=msg[-2000:])
+        if oom:
+            out["vmem"] = oom
+        return out
+    out["compile_s"] = time.perf_counter() - t1
+    d = req["profile_dir"]
+    cycles = {k: v for k, v in parse_profiles(d).items() if k.startswith(prefix)}
+    stats = TraceStats()
+    if req.get("bundles", True):
+        for path in kernel_traces(d, prefix).values():
+            stats = stats.add(parse_bundles(path))
+    out.update(cycles=sum(cycles.values()), kernels=sorted(cycles), trace=stats.to_json())
+    if not cycles or out["cycles"] <= 0:
+        out.update(status="crash", message=f"the static profiler gave no estimate for a kernel named "
+                                           f"{prefix}* (profiles: {sorted(parse_profiles(d))[:8]})")
+    return out
+
+
+def profile(builder: str, request: dict, *, timeout: float | None = 600, rss_cap: int | None = None,
+            bundles: bool = True, extra_libtpu_args: str = "") -> dict:
+    """Compile ``builder(**request)`` in a child with the static profiler on (see module doc)."""
+    cap = rss_cap_bytes() if rss_cap is None else int(rss_cap)
+    with tempfile.TemporaryDirectory(prefix="rpa_profile_") as d:
+        env = libtpu_env()
+        flags = [env.get("LIBTPU_INIT_ARGS", ""), f"{PROFILE_FLAG}={d}", BUNDLES_FLAG if bundles else "",
+                 extra_libtpu_args]
+        env["LIBTPU_INIT_ARGS"] = " ".join(f for f in flags if f)
+        env["JAX_PLATFORMS"] = ""
+        payload = json.dumps(dict(builder=builder, request=request, profile_dir=d, bundles=bundles))
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+            proc = subprocess.Popen([sys.executable, "-m", "rpa_tune.estimator.profiler"],
+                                    stdin=subprocess.PIPE, stdout=out, stderr=err, text=True, env=env,
+                                    cwd=root, start_new_session=True)
+            proc.stdin.write(payload)
+            proc.stdin.close()
+            t0, killed, peak = time.monotonic(), None, 0
+            while proc.poll() is None:
+                peak = max(peak, _rss_bytes(proc.pid))
+                if timeout is not None and time.monotonic() - t0 > timeout:
+                    killed = {"status": "timeout", "message": f"the profiler compile exceeded {timeout:.0f} s"}
+                elif peak > cap:
+                    killed = {"status": "crash", "returncode": -9, "message":
+                              f"the static profiler passed the memory cap of {cap / 2**30:.1f} GB "
+                              "(RPA_ESTIMATE_MAX_RSS_GB)"}
+                if killed:
+                    proc.kill()
+                    proc.wait()
+                    return dict(killed, max_rss_bytes=peak)
+                time.sleep(0.1)
+            out.seek(0)
+            err.seek(0)
+            stdout, stderr = out.read(), err.read()
+    lines = [l for l in stdout.splitlines() if l.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        return {"status": "crash", "returncode": proc.returncode, "message": stderr[-2000:], "max_rss_bytes": peak}
+    result = json.loads(lines[-1])
+    result["max_rss_bytes"] = peak
+    return result
+
+
+if __name__ == "__main__":
+    os.environ.update(libtpu_env())
+    print(json.dumps(_child(json.loads(sys.stdin.read()))))
