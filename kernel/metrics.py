@@ -9,32 +9,18 @@ Definitions (RPA paper, section 4):
   ``n * dk * [(ctx + 1) * 2 * hkv + 2 * hq] * bytes``.
 * FLOPs: ``4 * Hq * D`` per (query, visible key) pair (QK^T and PV), counting only the
   causal / sliding-window visible pairs.
-* MBU = (bytes / time) / peak HBM bandwidth; MFU = (FLOPs / time) / (peak bf16 FLOP/s x
-  max MXU utilisation), where max MXU utilisation = min(1, head_dim / MXU columns)
-  (head_dim 128 on a 256-wide MXU: 50%, as in the paper).
+* MBU = (bytes / time) / peak HBM bandwidth; MFU = (FLOPs / time) / peak bf16 FLOP/s (as
+  the paper reports it: its 73 % for head_dim 128 on TPU7x is above a 50 % cap).
 
-Cycles from libtpu's static profiler carry no clock. ``clock_hz`` derives one from JAX's
-hardware table: peak bf16 FLOP/s / (2 x num_mxus x mxu_columns^2) (one MAC per MXU cell
-per cycle). This is a derived figure, stated as such wherever a time is shown. Caveat:
-the table lists 2 MXUs per core for v6e and TPU7x, which gives 3.5 / 4.4 GHz; Google's
-own v6e page has said both 2 and 4 MXUs, so absolute times derived from cycles on those
-two generations may be optimistic by up to 2x. Rankings within a generation (what the
-tuner uses) do not depend on the clock.
+Turning profiler cycles into a time (the calibrated clock, the roofline and the audit)
+is the estimator's job: ``rpa_tune.estimator.audit.time_model``.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from .config import Case, round_up
-from .hardware import tpu_info
+from .config import Case
 from .workload import ModelShape, Workload
-
-CLOCK_SOURCE = "derived: jax tpu_info peak bf16 FLOP/s / (2 * num_mxus * mxu_columns^2)"
-
-
-def clock_hz(generation: str) -> float:
-    i = tpu_info(generation)
-    return i.bf16_ops_per_second / (2 * i.num_mxus * i.mxu_column_size ** 2)
 
 
 def _seqs(workload: Workload, case: Case | None):
@@ -66,26 +52,3 @@ def flops(workload: Workload, model: ModelShape, case: Case | None = None,
           sliding_window: int | None = None) -> int:
     pairs = sum(visible_pairs(q, kv, sliding_window) for q, kv in _seqs(workload, case))
     return int(4 * model.num_q_heads * model.head_dim * pairs)
-
-
-def mxu_utilisation_cap(model: ModelShape, generation: str) -> float:
-    return min(1.0, round_up(model.head_dim, 128) / tpu_info(generation).mxu_column_size)
-
-
-def summarize(cycles: float, workload: Workload, model: ModelShape, generation: str,
-              case: Case | None = None, sliding_window: int | None = None) -> dict:
-    """Time from cycles, the roofline bounds, which bound is active, MBU and MFU."""
-    info = tpu_info(generation)
-    b = hbm_bytes(workload, model, case)
-    f = flops(workload, model, case, sliding_window)
-    est_s = cycles / clock_hz(generation)
-    mem_s = b / info.mem_bw_bytes_per_second
-    peak = info.bf16_ops_per_second * mxu_utilisation_cap(model, generation)
-    cmp_s = f / peak
-    time_s = max(est_s, mem_s, cmp_s)
-    bound = {est_s: "estimate", mem_s: "memory", cmp_s: "compute"}[time_s]
-    return dict(cycles=float(cycles), estimate_s=est_s, memory_bound_s=mem_s, compute_bound_s=cmp_s,
-                time_s=time_s, active_bound=bound, hbm_bytes=b, flops=f,
-                mbu=(b / time_s) / info.mem_bw_bytes_per_second if time_s else 0.0,
-                mfu=(f / time_s) / peak if time_s else 0.0, clock_hz=clock_hz(generation),
-                clock_source=CLOCK_SOURCE)

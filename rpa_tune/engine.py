@@ -486,7 +486,8 @@ def make_row(key: TuningKey, limits: ServingLimits, workload: Workload, workload
         bq=bs.bq, bkv=bs.bkv, cq=bs.cq, ckv=bs.ckv, is_heuristic=bool(heuristic),
         status=res.status, metric=res.metric, unit=res.unit, method=res.method or _method(backend),
         cycles=res.cycles, estimate_s=res.estimate_s, memory_bound_s=res.memory_bound_s,
-        compute_bound_s=res.compute_bound_s, active_bound=res.active_bound, samples=res.samples,
+        compute_bound_s=res.compute_bound_s, active_bound=res.active_bound, audit=res.audit,
+        clock_hz=res.clock_hz, clock_source=res.clock_source, samples=res.samples,
         spread=res.spread, compile_s=res.compile_s, eval_s=eval_s, vmem_predicted_bytes=predicted,
         vmem_limit_bytes=res.vmem_limit_bytes, vmem_reported_bytes=res.vmem_reported_bytes,
         message=res.message, backend=backend, search=search, seed=seed,
@@ -495,8 +496,11 @@ def make_row(key: TuningKey, limits: ServingLimits, workload: Workload, workload
     for k in ("jax_version", "jaxlib_version", "libtpu_version", "rpa_tune_version", "kernel_hash",
               "kernel_source_hash", "git_sha"):
         r[k] = prov.get(k)
-    if r["status"] != base.OK:
-        r["metric"] = None    # only ok rows carry a metric: nothing else can win
+    if r["status"] != base.OK or r["audit"] == "incomplete":
+        # only ok rows carry a metric: nothing else can win. An estimate whose audit is
+        # incomplete (work missing from the profiler's trace, or a rate above peak) keeps
+        # its cycles and bounds in the row, and its message says why, but never wins.
+        r["metric"] = None
     return r
 
 

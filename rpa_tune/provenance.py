@@ -42,7 +42,7 @@ KERNEL_HASH_ENV = "RPA_TUNE_KERNEL_HASH"
 # sweep compares against. Table loading, bring-up, validation and the reference are not in
 # it: editing them does not make recorded results stale.
 RESULT_INPUT_FILES = ("rpa.py", "api.py", "vmem.py", "config.py",
-                      "analysis.py", "metrics.py", "hardware.py", "workload.py", "heuristics.py")
+                      "analysis.py", "steps.py", "metrics.py", "hardware.py", "workload.py", "heuristics.py")
 
 
 def kernel_hash() -> str:

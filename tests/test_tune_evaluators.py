@@ -4,7 +4,6 @@ limit policy and pre-filter against real deviceless compiles, interpret correctn
 import numpy as np
 import pytest
 
-from kernel import analysis
 from kernel.config import GENERATIONS, BlockSizes, Case
 from kernel.workload import ModelShape, ServingLimits, Workload
 from rpa_tune import cli, prefilter
@@ -190,11 +189,12 @@ def _estimate(case, workload, lim, bs):
     return r
 
 
-def test_estimate_grows_with_context_and_sequences():
+def test_estimate_grows_with_context_and_sequences(tmp_path, monkeypatch):
     """The compile backend's metric follows the workload: 4x the context or 4x the
-    sequences gives a clearly larger time (memory traffic grows ~4x). 24 sequences are
-    estimated from a sample (kernel.analysis.sample_for_estimate), which must agree with
-    the same 24 compiled whole."""
+    sequences gives a clearly larger time. All three are priced from the same probe
+    compiles of the config (composition, no sampling), and every row says whether its
+    audit is complete and which clock converted its cycles."""
+    monkeypatch.setenv("RPA_TUNE_PROBE_CACHE", str(tmp_path))
     lim = ServingLimits(page_size=128, max_num_tokens=512, max_num_seqs=64, max_model_len=8192)
     bs = BlockSizes(1, 1024, 1, 256)
 
@@ -204,18 +204,16 @@ def test_estimate_grows_with_context_and_sequences():
     base_r, long_r, many_r = metric(6, 1024), metric(6, 4096), metric(24, 1024)
     assert long_r.cycles > 2 * base_r.cycles and many_r.cycles > 2 * base_r.cycles
     assert long_r.metric > 2 * base_r.metric and many_r.metric > 2 * base_r.metric
-    assert base_r.active_bound in ("estimate", "memory", "compute")
-    n = analysis.MAX_SAMPLED_ITEMS[Case.DECODE]
-    assert f"sampled {n} of 24" in many_r.message
-    full = analysis.estimate(Workload.of_case("decode", [1] * 24, [1024] * 24), bs, "v6e", LLAMA,
-                             lim, "decode", max_items=24)
-    assert full["status"] == "ok"
-    assert many_r.cycles == pytest.approx(full["cycles"], rel=0.2)
+    for r in (base_r, long_r, many_r):
+        assert r.active_bound in ("estimate", "memory", "compute")
+        assert r.audit in ("complete", "incomplete") and r.clock_hz and r.clock_source
+        assert "composed from" in r.message
+    assert len(list(tmp_path.glob("*.json"))) == 1          # one probe set priced all three
 
 
 def test_causal_prefill_estimate_grows_faster_than_linearly():
-    """Twice the chunk length, about four times the causal work: the estimate (one
-    sampled q block, scaled) grows clearly faster than 2x."""
+    """Twice the chunk length, about four times the causal work: the composed estimate
+    grows clearly faster than 2x."""
     lim = ServingLimits(page_size=128, max_num_tokens=2048, max_num_seqs=8, max_model_len=8192)
 
     def cycles(n):

@@ -89,3 +89,91 @@ def fit(case: Case | str, bs: BlockSizes, page_size: int, probe_list: list[Probe
     resid = np.abs(X @ coef - y) / y
     return CostModel(case.value, tuple(bs), page_size, tuple(float(c) for c in coef),
                      tuple(float(c) for c in y), float(resid.max()), sliding_window)
+
+
+# ------------------------------------------------------------------ probing a config
+def _cache_dir() -> str:
+    import os
+    return os.environ.get("RPA_TUNE_PROBE_CACHE") or os.path.join(
+        os.path.expanduser("~"), ".cache", "rpa-tune", "probes")
+
+
+def _cache_key(doc: dict) -> str:
+    import hashlib
+    import json
+    from ..provenance import kernel_hash, versions
+    full = dict(doc, kernel=kernel_hash(), versions=versions(), composer=COMPOSER_VERSION)
+    return hashlib.sha256(json.dumps(full, sort_keys=True).encode()).hexdigest()[:24]
+
+
+COMPOSER_VERSION = "1"
+
+
+def probe_config(*, builder: str, case: Case | str, bs: BlockSizes, tpu: str, model: dict, limits: dict,
+                 options: dict | None = None, timeout: float | None = 600, use_cache: bool = True) -> dict:
+    """Compile and audit every probe of one config; fit its ``CostModel``.
+
+    Returns ``{"status", "model" (CostModel JSON), "probes": [{q_lens, kv_lens, cycles,
+    audit, max_rss_bytes, compile_s}], "audit": complete | incomplete, "reasons",
+    "compile_s", "max_rss_bytes"}``, or the first probe's failure (``vmem_oom``,
+    ``compile_error``, ``timeout``, ``crash``) with its fields. Results are cached on disk
+    per config, kernel source, library versions and generation (``RPA_TUNE_PROBE_CACHE``).
+    """
+    import json
+    import os
+    import time
+    from kernel.workload import ModelShape
+    from . import audit as audit_mod, profiler
+    from .calibration import calibration
+    case = Case.parse(case)
+    bs = BlockSizes.coerce(bs)
+    doc = dict(builder=builder, case=case.value, bs=list(bs), tpu=tpu, model=model, limits=limits,
+               options=options or {})
+    path = os.path.join(_cache_dir(), _cache_key(doc) + ".json")
+    if use_cache and os.path.exists(path):
+        try:
+            with open(path) as f:
+                return json.load(f)
+        except (OSError, ValueError):
+            pass
+    cal = calibration(tpu)
+    shape = ModelShape(**model)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    out = {"status": "ok", "probes": [], "audit": audit_mod.COMPLETE, "reasons": [], "compile_s": 0.0,
+           "max_rss_bytes": 0}
+    plist = probes(case, bs, limits["page_size"])
+    for p in plist:
+        w = p.workload(case)
+        left = None if deadline is None else max(1.0, deadline - time.monotonic())
+        req = dict(doc, workload=dict(q_lens=list(w.q_lens), kv_lens=list(w.kv_lens),
+                                      distribution=list(w.distribution)), block_sizes=list(bs))
+        for k in ("builder", "bs"):
+            req.pop(k)
+        r = profiler.profile(builder, req, timeout=left)
+        out["max_rss_bytes"] = max(out["max_rss_bytes"], r.get("max_rss_bytes") or 0)
+        out["compile_s"] += (r.get("lower_s") or 0.0) + (r.get("compile_s") or 0.0)
+        if r["status"] != "ok":
+            return dict(r, probe=dict(q_lens=p.q_lens, kv_lens=p.kv_lens), compile_s=out["compile_s"],
+                        max_rss_bytes=out["max_rss_bytes"])
+        from .trace import TraceStats
+        a = audit_mod.audit_trace(TraceStats.from_json(r["trace"]), audit_mod.needed(w, shape, case), cal)
+        if a.verdict != audit_mod.COMPLETE:
+            out["audit"] = audit_mod.INCOMPLETE
+            out["reasons"] += [f"probe {list(p.q_lens)}/{list(p.kv_lens)}: {x}" for x in a.reasons]
+        out["probes"].append(dict(q_lens=list(p.q_lens), kv_lens=list(p.kv_lens), cycles=r["cycles"],
+                                  audit=a.to_json(), max_rss_bytes=r.get("max_rss_bytes"),
+                                  compile_s=r.get("compile_s")))
+    m = fit(case, bs, limits["page_size"], plist, [p["cycles"] for p in out["probes"]],
+            (options or {}).get("sliding_window"))
+    out["model"] = m.to_json()
+    if use_cache:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = path + f".{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(out, f)
+        os.replace(tmp, path)
+    return out
+
+
+def model_from_json(d: dict) -> CostModel:
+    return CostModel(**{k: (tuple(v) if isinstance(v, list) else v) for k, v in d.items()})

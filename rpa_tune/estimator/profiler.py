@@ -21,7 +21,6 @@ from __future__ import annotations
 import importlib
 import json
 import os
-import re
 import subprocess
 import sys
 import tempfile
@@ -34,11 +33,8 @@ DEFAULT_RSS_CAP_GB = 3.0
 
 def libtpu_env(env=None) -> dict:
     """The environment for a deviceless libtpu process: quiet, and several may load libtpu."""
-    env = dict(os.environ if env is None else env)
-    env.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
-    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-    env.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-    return env
+    from kernel.analysis import _quiet_libtpu_env
+    return _quiet_libtpu_env(env)
 
 
 def rss_cap_bytes() -> int:
@@ -57,29 +53,9 @@ def _rss_bytes(pid: int) -> int:
     return 0
 
 
-_OOM_PATTERNS = (
-    re.compile(r"Scoped allocation with size ([\d.]+)([KMG]?)(?:i?B)? and limit ([\d.]+)([KMG]?)"),
-    re.compile(r"Used ([\d.]+)([KMG]?)(?:i?B)? of ([\d.]+)([KMG]?)(?:i?B)? vmem"),
-    re.compile(r"Allocation \(size=(\d+)()\) would exceed memory \(size=(\d+)()\)"),
-)
-_UNIT = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-
-
-def parse_vmem_oom(message: str) -> dict | None:
-    """``{"used_bytes", "limit_bytes", "kind"}`` from a VMEM RESOURCE_EXHAUSTED message, else None."""
-    if "vmem" not in message.lower() and "would exceed memory" not in message:
-        return None
-    for kind, pat in zip(("scoped_limit", "capacity", "allocation"), _OOM_PATTERNS):
-        m = pat.search(message)
-        if m:
-            used = float(m.group(1)) * _UNIT[m.group(2)]
-            limit = float(m.group(3)) * _UNIT[m.group(4)]
-            return {"used_bytes": int(used), "limit_bytes": int(limit), "kind": kind}
-    return None
-
-
 def _child(req: dict) -> dict:
     """Runs in the child (profiler flags already in LIBTPU_INIT_ARGS)."""
+    from kernel.analysis import parse_vmem_oom
     from .trace import TraceStats, kernel_traces, parse_bundles, parse_profiles
     mod, fn = req["builder"].split(":")
     t0 = time.perf_counter()

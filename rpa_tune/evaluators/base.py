@@ -84,6 +84,9 @@ class EvalResult:
     vmem_reported_bytes: int | None = None  # bytes the compiler reported (OOM messages)
     device_kind: str | None = None
     message: str = ""
+    audit: str | None = None                # compile: complete | incomplete (estimator.audit)
+    clock_hz: float | None = None           # compile: the calibrated clock cycles are converted at
+    clock_source: str | None = None
 
     def __post_init__(self):
         if self.status not in STATUSES:

@@ -1,22 +1,24 @@
-"""``compile`` backend: deviceless libtpu compile for the target generation + static estimate.
+"""``compile`` backend: deviceless libtpu compiles for the target generation, audited estimate.
 
 Per config:
 
-1. ``kernel.analysis.estimate`` compiles the case's kernel with the workload's metadata
-   visible to libtpu's static profiler (in its own child process, with the profiler
-   flag). The compiler's verdict decides VMEM feasibility. A workload of more than a few
-   q blocks is costed on a deterministic sample of its q blocks and scaled (the row's
-   message says so): the profiler's memory grows with the simulated work.
+1. ``rpa_tune.estimator.compose.probe_config`` compiles the config's few small probe
+   workloads (each a real program of the kernel, metadata visible to libtpu's static
+   profiler), each in its own child process with the profiler and its bundle trace on,
+   audits every probe's trace against the work the probe needs (``estimator.audit``), and
+   fits the per-item costs. The probes are cached per config: every workload and token
+   bucket of a key is priced from the same compiles. The compiler's verdict on the first
+   probe decides VMEM feasibility (the kernel's VMEM does not depend on the workload).
 2. The scoped VMEM limit starts at the kernel's default for the predicted scratch
-   (``base.initial_vmem_limit``); when the compiler reports a scoped-limit OOM, the
-   config is compiled once more with a limit raised to what it reported (capped at the
-   chip's capacity). The row records the limit used and the bytes the compiler reported.
-3. The metric is ``kernel.metrics.summarize(cycles, ...)["time_s"]``: the larger of the
-   cycle estimate (converted with the derived clock) and the bytes/bandwidth and
-   FLOPs/peak bounds from JAX's TPU info; ``active_bound`` says which one it is.
-4. When the static profiler crashes (a libtpu abort in the child), the config is
-   compiled without the profiler in this worker to still get the VMEM verdict: a VMEM
-   OOM or compile error is recorded as such, a config that compiles as ``crash``.
+   (``base.initial_vmem_limit``); after a scoped-limit OOM the config is compiled once more
+   with the limit raised to what the compiler reported (capped at the chip's capacity).
+3. The workload's cycles are composed from the fitted costs (``CostModel.cycles``), and
+   ``estimator.audit.time_model`` makes a time of them: ``max(cycles / calibrated clock,
+   bytes / HBM BW, FLOPs / achievable MXU peak)``, with the active bound. The row's
+   ``audit`` is ``complete`` when every probe's trace holds the needed work and the time
+   the cycles imply is physically possible; ``incomplete`` rows never win.
+4. When the static profiler crashes (a libtpu abort in the child), the config is compiled
+   without the profiler in this worker to still get the VMEM verdict.
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ from .base import EvalResult, Evaluator, Task
 class CompileEvaluator(Evaluator):
     name = "compile"
     method = "estimate"
-    version = "1"
+    version = "2"
 
     def __init__(self, *, profile: bool = True):
         self.profile = profile   # False: VMEM verdict only (plain compile, no estimate)
@@ -69,17 +71,21 @@ class CompileEvaluator(Evaluator):
         if status == "ok" and not self.profile:
             return EvalResult(base.OK, "compile", message="; ".join(notes), **common)
         if status == "ok":
-            cycles = r.get("cycles") or 0
-            if cycles <= 0:
-                return EvalResult(base.CRASH, self.method, **common, message="; ".join(
-                    notes + ["static profiler gave no estimate for the kernel"]))
-            from kernel import metrics
-            s = metrics.summarize(cycles, task.workload, task.model, task.generation, task.case)
-            if r.get("sample_note"):
-                notes.append(r["sample_note"])
-            return EvalResult(base.OK, self.method, metric=s["time_s"], cycles=float(cycles),
-                              estimate_s=s["estimate_s"], memory_bound_s=s["memory_bound_s"],
-                              compute_bound_s=s["compute_bound_s"], active_bound=s["active_bound"],
+            from kernel.workload import ModelShape
+            from rpa_tune.estimator import audit, compose
+            cycles = compose.model_from_json(r["model"]).cycles(task.workload)
+            t = audit.time_model(cycles, task.workload, task.model, task.generation, task.case)
+            verdict, reasons = r["audit"], list(r["reasons"])
+            if not t["rate_ok"]:
+                verdict, reasons = audit.INCOMPLETE, reasons + [t["rate_note"]]
+            notes.append(f"composed from {len(r['probes'])} audited probe compiles (max "
+                         f"{r['max_rss_bytes'] / 2**30:.1f} GB); time at {t['clock_hz'] / 1e9:.2f} GHz")
+            if verdict != audit.COMPLETE:
+                notes.append("audit incomplete: " + "; ".join(reasons))
+            return EvalResult(base.OK, self.method, metric=t["time_s"], cycles=float(cycles),
+                              estimate_s=t["estimate_s"], memory_bound_s=t["memory_bound_s"],
+                              compute_bound_s=t["compute_bound_s"], active_bound=t["active_bound"],
+                              audit=verdict, clock_hz=t["clock_hz"], clock_source=t["clock_source"],
                               samples=1, message="; ".join(notes), **common)
         if status == base.VMEM_OOM:
             return EvalResult(base.VMEM_OOM, self.method, vmem_reported_bytes=vm.get("used_bytes"),
@@ -95,9 +101,13 @@ class CompileEvaluator(Evaluator):
 
     # -- steps ----------------------------------------------------------------------
     def _estimate(self, task: Task, limit: int, remaining: float) -> dict:
-        from kernel import analysis
-        return analysis.estimate(task.workload, task.bs, task.generation, task.model, task.limits,
-                                 task.case, timeout=remaining, vmem_limit_bytes=limit)
+        import dataclasses
+        from rpa_tune.estimator import compose
+        r = compose.probe_config(builder="rpa_tune.estimator.ours:lower", case=task.case, bs=task.bs,
+                                 tpu=task.generation, model=dataclasses.asdict(task.model),
+                                 limits=dataclasses.asdict(task.limits),
+                                 options={"vmem_limit_bytes": limit}, timeout=remaining)
+        return r
 
     def _plain_compile(self, task: Task, limit: int, remaining: float) -> dict:
         """Compile in this process without the profiler: the VMEM / compile verdict only.

@@ -244,8 +244,8 @@ class TpuEvaluator(Evaluator):
                 how = f"device time of {prefix} from a profiler trace (host overhead would dominate)"
             else:
                 notes.append("no kernel events in the profiler trace; wall-clock kept")
-        from kernel import metrics
-        s = metrics.summarize(0, task.workload, task.model, task.generation, task.case)
+        from rpa_tune.estimator import audit
+        s = audit.time_model(0.0, task.workload, task.model, task.generation, task.case)
         return EvalResult(base.OK, self.method, metric=stats.median, samples=stats.samples, spread=stats.spread,
                           compile_s=compile_s, vmem_limit_bytes=limit, device_kind=dev.device_kind,
                           memory_bound_s=s["memory_bound_s"], compute_bound_s=s["compute_bound_s"],

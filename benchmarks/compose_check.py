@@ -1,0 +1,100 @@
+"""Composed estimates against full compiles: does pricing a workload from a config's probe
+compiles (rpa_tune.estimator.compose) agree with compiling the whole workload?
+
+For each generation and case, one config (Llama-3-8B shard: 32 q / 8 KV heads, head_dim
+128, bf16) is probed once; then each workload below is compiled whole (same analysis-mode
+program, the profiler on) and the composed cycles are compared with the full compile's.
+The full compiles are what the composition replaces: they are slow and memory-hungry, so
+the workloads are kept to at most 16 decode sequences / one 1K prefill chunk.
+
+    python benchmarks/compose_check.py --tpu v6e --tpu tpu7x --tpu v5e [--out FILE]
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from kernel.config import BlockSizes, Case  # noqa: E402
+from kernel.workload import ModelShape, ServingLimits, Workload  # noqa: E402
+from rpa_tune.estimator import compose, profiler  # noqa: E402
+
+MODEL = ModelShape(32, 8, 128)
+CONFIGS = {Case.DECODE: BlockSizes(1, 1024, 1, 512), Case.PREFILL: BlockSizes(128, 512, 128, 256),
+           Case.MIXED: BlockSizes(64, 512, 64, 256)}
+
+
+def workloads() -> list[tuple[str, Workload]]:
+    rng = np.random.default_rng(0)
+    ln = lambda n, mu: np.clip(rng.lognormal(np.log(mu), 0.7, n).astype(int), 2, 12000).tolist()
+    d = lambda kv: Workload.of_case("decode", [1] * len(kv), kv)
+    p = lambda q, kv: Workload.of_case("prefill", q, kv)
+    m = lambda q, kv: Workload.of_case("mixed", q, kv)
+    return [
+        ("decode 16 x 2K", d([2049] * 16)), ("decode 8 x 4K", d([4097] * 8)),
+        ("decode 16 lognormal ~2K", d(ln(16, 2048))), ("decode 16 lognormal ~512", d(ln(16, 512))),
+        ("decode 4 ragged 77..8K", d([513, 3001, 77, 8193])), ("decode 12 x 700", d([700] * 12)),
+        ("prefill 1 x 512", p([512], [512])), ("prefill 1 x 1024", p([1024], [1024])),
+        ("prefill 256 after 1K", p([256], [1280])), ("prefill 384 after 2.5K", p([384], [2944])),
+        ("prefill 2 x 256", p([256, 256], [256, 256])), ("prefill 128 + 200 after 700", p([128, 200], [128, 900])),
+        ("mixed 8 x 1 + 128", m([1] * 8 + [128], [1500] * 8 + [128])),
+        ("mixed 4 spec-4 + 256 after 512", m([4] * 4 + [256], [2048] * 4 + [768])),
+        ("mixed 6 x 1 lognormal + 64", m([1] * 6 + [64], ln(6, 1024) + [64])),
+        ("mixed 100 + 3 x 1", m([100, 1, 1, 1], [900, 3000, 40, 1200])),
+    ]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tpu", action="append", default=None)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    lines = ["| gen | workload | config | full (cycles) | composed | error | full compile | max RSS |",
+             "|---|---|---|---:|---:|---:|---:|---:|"]
+    limits = ServingLimits(page_size=128, max_num_tokens=2048, max_num_seqs=128, max_model_len=16384)
+    for gen in args.tpu or ["v6e"]:
+        models = {}
+        for name, w in workloads():
+            case = next(c for c in Case if w.case_range(c)[1] > w.case_range(c)[0])
+            bs = CONFIGS[case]
+            if case not in models:
+                pr = compose.probe_config(builder="rpa_tune.estimator.ours:lower", case=case, bs=bs, tpu=gen,
+                                          model=dataclasses.asdict(MODEL), limits=dataclasses.asdict(limits))
+                if pr["status"] != "ok":
+                    print(f"{gen} {case.value}: probes failed: {pr.get('message', '')[:300]}", flush=True)
+                    models[case] = None
+                    continue
+                models[case] = compose.model_from_json(pr["model"])
+                print(f"{gen} {case.value}: probes {pr['compile_s']:.0f} s, max RSS "
+                      f"{pr['max_rss_bytes'] / 2**30:.1f} GB, audit {pr['audit']}", flush=True)
+            if models[case] is None:
+                continue
+            req = dict(workload=dict(q_lens=list(w.q_lens), kv_lens=list(w.kv_lens),
+                                     distribution=list(w.distribution)), block_sizes=list(bs), tpu=gen,
+                       model=dataclasses.asdict(MODEL), limits=dataclasses.asdict(limits), case=case.value)
+            t0 = time.time()
+            r = profiler.profile("rpa_tune.estimator.ours:lower", req, timeout=1800, rss_cap=16 << 30,
+                                 bundles=False)
+            if r["status"] != "ok":
+                lines.append(f"| {gen} | {name} | {tuple(bs)} | {r['status']} | | | | |")
+                continue
+            c = models[case].cycles(w)
+            lines.append(f"| {gen} | {name} | {tuple(bs)} | {r['cycles']:,} | {c:,.0f} | "
+                         f"{c / r['cycles'] - 1:+.1%} | {time.time() - t0:.0f} s | "
+                         f"{r['max_rss_bytes'] / 2**30:.1f} GB |")
+            print(lines[-1], flush=True)
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+
+
+if __name__ == "__main__":
+    main()

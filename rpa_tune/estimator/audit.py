@@ -1,0 +1,130 @@
+"""The audit of an estimate, and the time model.
+
+An estimate of libtpu's static profiler is only as good as the work its simulated trace
+holds: it drops instructions it cannot follow (predicated moves, dynamic SMEM addresses,
+run-time trip counts) and then costs less work than the kernel does. ``audit`` checks the
+trace (``trace.TraceStats``) against what the workload needs (``needed``):
+
+* KV bytes read: HBM -> VMEM DMA bytes in the trace >= 95 % of the cached context the
+  workload reads (its KV tokens before the new ones, merged K+V of every KV head);
+* KV bytes written: DMA bytes into HBM >= 95 % of the new tokens' K/V;
+* MXU work: vmatmul instructions x the most FLOPs one instruction carries on that
+  generation (``calibration``) >= 95 % of the workload's FLOPs (QK^T and PV over the
+  visible pairs);
+* rates: the time the cycles imply (at the calibrated clock) is not below bytes / HBM
+  bandwidth or FLOPs / MXU peak by more than 5 %: a faster estimate is physically
+  impossible, so work is missing or under-charged.
+
+A trace failing any check is ``incomplete`` (the reasons say which); its result row says
+so, and ranking / export never let it win silently. ``time_model`` turns cycles into a
+time: ``max(cycles / clock, bytes / HBM BW, FLOPs / achievable MXU peak)``, with the
+active bound, MBU and MFU from that time.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from kernel import metrics
+from kernel.config import Case, cdiv, round_up
+from kernel.workload import ModelShape, Workload
+
+COMPLETE, INCOMPLETE = "complete", "incomplete"
+WORK_FRACTION = 0.95     # the trace must hold at least this share of the needed work
+RATE_TOLERANCE = 1.05    # an implied rate above peak x this is impossible
+
+
+@dataclasses.dataclass(frozen=True)
+class Needed:
+    kv_read_bytes: int    # cached context read from HBM
+    kv_write_bytes: int   # new tokens written to the cache
+    flops: int            # MXU work (visible pairs)
+    hbm_bytes: int        # the paper's byte count (KV read + write, Q read, O write)
+
+
+def token_bytes(model: ModelShape) -> int:
+    """Bytes of one token's merged K+V of every KV head (padded head_dim) in the cache."""
+    return 2 * model.num_kv_heads * round_up(model.head_dim, 128) * np.dtype(model.kv_dtype).itemsize
+
+
+def needed(workload: Workload, model: ModelShape, case: Case | str | None = None,
+           sliding_window: int | None = None) -> Needed:
+    lo, hi = (0, workload.num_seqs) if case is None else workload.case_range(Case.parse(case))
+    tb = token_bytes(model)
+    read = write = 0
+    for q, kv in zip(workload.q_lens[lo:hi], workload.kv_lens[lo:hi]):
+        ctx = kv - q
+        if sliding_window:
+            ctx = min(ctx, sliding_window + q)
+        read += ctx * tb
+        write += q * tb
+    return Needed(read, write, metrics.flops(workload, model, case, sliding_window),
+                  metrics.hbm_bytes(workload, model, case))
+
+
+@dataclasses.dataclass
+class Audit:
+    verdict: str
+    reasons: list
+    kv_read_bytes: int = 0
+    kv_read_traced: int = 0
+    kv_write_bytes: int = 0
+    kv_write_traced: int = 0
+    flops: int = 0
+    mxu_flops_traced: int = 0
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def audit_trace(trace, need: Needed, cal) -> Audit:
+    """The work check of one compiled estimate (``trace``: ``TraceStats``)."""
+    g = cal.dma_granule_bytes or 32
+    read = trace.granules("hbm_to_vmem") * g
+    write = sum(n for d, n in trace.dma_granules.items() if d.endswith("to_hbm")) * g
+    mxu = trace.mxu_matmuls * cal.flops_per_vmatmul
+    a = Audit(COMPLETE, [], need.kv_read_bytes, read, need.kv_write_bytes, write, need.flops, int(mxu))
+    for what, have, want in (("KV read DMA bytes", read, need.kv_read_bytes),
+                             ("KV write DMA bytes", write, need.kv_write_bytes),
+                             ("MXU FLOPs", mxu, need.flops)):
+        if want and have < WORK_FRACTION * want:
+            a.verdict = INCOMPLETE
+            a.reasons.append(f"trace holds {have / want:.0%} of the needed {what} ({have:.3g} of {want:.3g})")
+    return a
+
+
+def achievable_mxu_flops(generation: str, head_dim: int, cal) -> float:
+    """bf16 FLOP/s the MXU can reach for a contraction of depth head_dim: JAX's peak, times
+    the fraction of it a 128-deep contraction reaches on a 256-wide MXU in the profiler's
+    own model (``calibration.k128_fraction_of_peak``) when head_dim is 128 or less."""
+    from kernel.hardware import tpu_info
+    frac = 1.0
+    if head_dim <= 128 and cal.mxu_column_size > 128 and cal.k128_fraction_of_peak:
+        frac = min(1.0, cal.k128_fraction_of_peak)
+    return tpu_info(generation).bf16_ops_per_second * frac
+
+
+def time_model(cycles: float, workload: Workload, model: ModelShape, generation: str, case=None,
+               sliding_window: int | None = None, cal=None) -> dict:
+    """Time from cycles at the calibrated clock, the roofline bounds, which is active, MBU /
+    MFU (MFU against the plain bf16 peak, as the RPA paper reports it), and the rate check."""
+    from kernel.hardware import tpu_info
+    from .calibration import calibration
+    cal = cal or calibration(generation)
+    info = tpu_info(generation)
+    need = needed(workload, model, case, sliding_window)
+    est_s = cycles / cal.clock_hz
+    mem_s = need.hbm_bytes / info.mem_bw_bytes_per_second
+    cmp_s = need.flops / achievable_mxu_flops(generation, model.head_dim, cal)
+    time_s = max(est_s, mem_s, cmp_s)
+    bound = "estimate" if time_s == est_s else ("memory" if time_s == mem_s else "compute")
+    rate_ok = est_s * RATE_TOLERANCE >= max(mem_s, cmp_s)
+    return dict(cycles=float(cycles), estimate_s=est_s, memory_bound_s=mem_s, compute_bound_s=cmp_s,
+                time_s=time_s, active_bound=bound, hbm_bytes=need.hbm_bytes, flops=need.flops,
+                mbu=need.hbm_bytes / time_s / info.mem_bw_bytes_per_second if time_s else 0.0,
+                mfu=need.flops / time_s / info.bf16_ops_per_second if time_s else 0.0,
+                clock_hz=cal.clock_hz, clock_source=cal.clock_source, rate_ok=rate_ok,
+                rate_note="" if rate_ok else (
+                    f"cycles imply {max(mem_s, cmp_s) / est_s:.2f}x the "
+                    f"{'HBM' if mem_s >= cmp_s else 'MXU'} peak: work missing or under-charged"))
