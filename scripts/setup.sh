@@ -15,4 +15,7 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null
 .venv/bin/python -m pip install -q -e ".[test]"
+# The public RPA v3 kernel (compared side by side by rpa_tune.estimator.public). No deps:
+# tpu-inference's dependencies pull in vllm; its kernel module needs only jax.
+.venv/bin/python -m pip install -q --no-deps tpu-inference==0.32.0
 echo "setup: .venv ready ($(.venv/bin/python --version))" >&2
