@@ -84,11 +84,8 @@ MiB = 1 << 20
 
 # ---------------------------------------------------------------------------- builders
 def _sharding(tpu: str):
-    import jax
-    from jax.experimental import topologies
-    from kernel.config import get_generation
-    topo = topologies.get_topology_desc(platform="tpu", topology_name=get_generation(tpu).topology)
-    return jax.sharding.SingleDeviceSharding(topo.devices[0])
+    from kernel.analysis import _sharding as deviceless_sharding
+    return deviceless_sharding(tpu)
 
 
 def lower_matmul(*, tpu: str, m: int, n: int, k: int, bm: int, bn: int, bk: int,
