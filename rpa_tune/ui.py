@@ -207,10 +207,27 @@ def print_overall(outcomes) -> None:
 
 
 # ============================================================================= show
+def fmt_audit(r) -> str:
+    """A compile-backend row's audit verdict (device timings have none)."""
+    a = (r or {}).get("audit")
+    if not a:
+        return "-"
+    return a if a == "complete" else f"[bold red]{a}[/]"
+
+
+def fmt_clock(r) -> str:
+    """The clock that turned an estimate's cycles into time, and where it came from."""
+    hz = (r or {}).get("clock_hz")
+    if not hz or (isinstance(hz, float) and hz != hz):
+        return "-"
+    src = (r or {}).get("clock_source") or ""
+    return f"{hz / 1e9:.3f} GHz" + (f" ({escape(src)})" if src else "")
+
+
 def print_winners(groups, top: int = 1) -> None:
     t = Table(title="rpa-tune: best block sizes per key")
     for c in ("tpu", "case", "shape", "page", "tokens", "len", "workload", "backend", "best (bq, bkv, cq, ckv)",
-              "time", "bound", "vs heuristic", "statuses"):
+              "time", "bound", "audit", "clock", "vs heuristic", "statuses"):
         t.add_column(c, overflow="fold")
     for g in groups:
         b = g.best
@@ -219,16 +236,16 @@ def print_winners(groups, top: int = 1) -> None:
         t.add_row(g.key["generation"], g.key["case"], shape_label(g.key), str(g.key["page_size"]),
                   str(g.key["max_num_tokens"]), str(g.key["max_model_len"]), escape(g.workload[:48]), be,
                   fmt_bs(b) if b else "[red]none ok[/]", fmt_time(b["metric"]) if b else "-",
-                  (b.get("active_bound") or "-") if b else "-", gain,
+                  (b.get("active_bound") or "-") if b else "-", fmt_audit(b), fmt_clock(b), gain,
                   fmt_counts(g.counts) + (f" · [bold red]{g.excluded_wrong} wrong excluded[/]" if g.excluded_wrong else ""))
     out.print(t)
     if top > 1:
         for g in groups:
             tt = Table(title=f"{g.key['generation']} {g.key['case']} {shape_label(g.key)} — top {top} ({g.backend})")
-            for c in ("rank", "(bq, bkv, cq, ckv)", "time", "bound", "cycles", "VMEM limit", "note"):
+            for c in ("rank", "(bq, bkv, cq, ckv)", "time", "bound", "audit", "cycles", "VMEM limit", "note"):
                 tt.add_column(c)
             for i, r in enumerate(g.rows):
-                tt.add_row(str(i + 1), fmt_bs(r), fmt_time(r["metric"]), str(r.get("active_bound") or "-"),
+                tt.add_row(str(i + 1), fmt_bs(r), fmt_time(r["metric"]), str(r.get("active_bound") or "-"), fmt_audit(r),
                            f"{r['cycles']:,.0f}" if r.get("cycles") else "-", fmt_bytes(r.get("vmem_limit_bytes")),
                            "heuristic" if r.get("is_heuristic") else "")
             out.print(tt)

@@ -4,11 +4,11 @@ import dataclasses
 
 import pytest
 
-from kernel.config import BlockSizes
+from kernel.config import BlockSizes, Case
 from kernel.steps import features
 from kernel.workload import ModelShape, ServingLimits, Workload
 from rpa_tune.estimator import audit, compose, profiler
-from rpa_tune.estimator.trace import TraceStats
+from rpa_tune.estimator.trace import TraceStats, parse_bundles
 
 LLAMA = ModelShape(32, 8, 128)
 LIM = ServingLimits(page_size=128, max_num_tokens=512, max_num_seqs=16, max_model_len=8192)
@@ -39,6 +39,27 @@ def test_audit_flags_a_trace_missing_work():
     # ... or the P@V matmuls (predicated moves left undefined): too little MXU work
     mxu = audit.audit_trace(_trace(need.kv_read_bytes, need.kv_write_bytes, matmuls // 3), need, FakeCal())
     assert mxu.verdict == audit.INCOMPLETE and "MXU" in mxu.reasons[0]
+
+
+def test_trace_counts_static_dma_bytes_and_names_run_time_sized_ones(tmp_path):
+    """Bundle lines as libtpu prints them: a DMA of static size counts its granules; one whose
+    size is a register is counted apart, and the read check says it cannot see those bytes."""
+    f = tmp_path / "k_bundles.txt"
+    f.write_text(
+        "  bundle slots:\n"
+        "  %91 = dma.hbm_to_vmem [thread:$0]  /*hbm=*/%s5_s9, /*size_in_granules=*/32768, /*vmem=*/%s88\n"
+        "  %92 = dma.hbm_to_vmem [thread:$0]  /*hbm=*/%s5_s9, /*size_in_granules=*/%s77_s3, /*vmem=*/%s88\n"
+        "  %93 = dma.vmem_to_hbm [thread:$0]  /*vmem=*/%s5_s9, /*size_in_granules=*/64, /*hbm=*/%s88\n"
+        "  bundle slots:\n"
+        "  %94 = dma.done [thread:$0] %s1\n"
+        "  %95 = vmatmul.mubr.bf16.gmr.mxu0 %v1\n")
+    t = parse_bundles(str(f))
+    assert t.bundles == 2 and t.dma_issues == {"hbm_to_vmem": 2, "vmem_to_hbm": 1}
+    assert t.dma_granules == {"hbm_to_vmem": 32768, "vmem_to_hbm": 64}
+    assert t.dma_dynamic == {"hbm_to_vmem": 1} and t.mxu_matmuls == 1
+    w = Workload.of_case("decode", [1] * 2, [2049] * 2)
+    a = audit.audit_trace(t, audit.needed(w, LLAMA, "decode"), FakeCal())
+    assert a.verdict == audit.INCOMPLETE and any("run-time size" in r for r in a.reasons)
 
 
 def test_time_model_rejects_an_impossible_rate():
@@ -92,3 +113,34 @@ def test_composed_matches_a_full_compile_and_ignores_sequence_order(tmp_path, mo
     rev = _profile("decode", Workload.of_case("decode", [1] * 4, kvs[::-1]), bs)["cycles"]
     assert rev == pytest.approx(full, rel=0.01)
     assert m.cycles(Workload.of_case("decode", [1] * 4, kvs)) == pytest.approx(full, rel=0.05)
+
+
+
+def test_recorded_probes_price_recorded_full_compiles():
+    """The composition rule against the compiler, from recorded measurements: the probe
+    cycles and whole-workload cycles that benchmarks/compose_check.py measured (its jsonl)
+    are refitted with today's ``compose.fit`` and ``kernel.steps`` plan, and every composed
+    workload must land within 5 % of its whole compile. Changing the step plan, the priced
+    items or the fit without re-measuring fails here."""
+    import json
+    import os
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    import compose_check as cc
+    with open(cc.CACHE) as f:
+        recs = {d["key"]: d for d in map(json.loads, f)}
+    checked = 0
+    for key, r in recs.items():
+        gen, what, *rest = json.loads(key)
+        if what != "probes":
+            continue
+        case, bs = Case.parse(rest[0]), BlockSizes(*rest[1])
+        plist = [compose.Probe(tuple(p["q_lens"]), tuple(p["kv_lens"])) for p in r["probes"]]
+        model = compose.fit(case, bs, cc.PAGE_SIZE, plist, [p["cycles"] for p in r["probes"]])
+        for name, w in cc.workloads():
+            full = recs.get(json.dumps([gen, name, list(bs)]))
+            if cc.case_of(w) != case or cc.CONFIGS[case] != bs or not full or full["status"] != "ok":
+                continue
+            assert model.cycles(w) == pytest.approx(full["cycles"], rel=0.05), (gen, name)
+            checked += 1
+    assert checked >= 12

@@ -117,6 +117,8 @@ def test_show_prints_winners(fake_results):
     r = run(["show", "--results", str(res)], env=env)
     assert r.returncode == 0, r.stderr
     assert "(1, 1024, 1, 256)" in r.stdout and "ok 27" in r.stdout and "x3.50" in r.stdout
+    # an estimate says its audit verdict and the clock that made it a time
+    assert "complete" in r.stdout and "1.500 GHz (fake clock)" in r.stdout
     r = run(["show", "--results", str(res), "--top", "3"], env=env)
     assert "(1, 1024, 1, 512)" in r.stdout and "(1, 1024, 1, 128)" in r.stdout
     r = run(["show", "--results", str(res), "--tpu", "v5e"], env=env)

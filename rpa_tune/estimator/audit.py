@@ -91,6 +91,10 @@ def audit_trace(trace, need: Needed, cal) -> Audit:
         if want and have < WORK_FRACTION * want:
             a.verdict = INCOMPLETE
             a.reasons.append(f"trace holds {have / want:.0%} of the needed {what} ({have:.3g} of {want:.3g})")
+    dyn = (trace.dma_dynamic or {}).get("hbm_to_vmem", 0)
+    if dyn and read < WORK_FRACTION * need.kv_read_bytes:
+        a.reasons.append(f"{dyn} HBM->VMEM DMAs have a run-time size the trace does not print: "
+                         "the read check cannot see their bytes")
     return a
 
 

@@ -47,24 +47,39 @@ def probes(case: Case | str, bs: BlockSizes, page_size: int) -> list[Probe]:
         [(bq, bq + bkv + P)])]
 
 
+def case_features(case: Case | str) -> tuple[str, ...]:
+    """The items priced for a case. Decode: all of ``kernel.steps.FEATURES`` (it computes
+    only the chunks holding visible keys, so chunks vary apart from steps). Prefill / mixed
+    compute every chunk of a step, so chunks are steps x ``bkv / ckv``; and a step of new
+    tokens costs what a cached step costs (the same compute; its KV comes from the new-KV
+    array instead of pages). Pricing new steps and their pages apart was wrong: in every
+    small probe each q block has exactly one new step, so those items were collinear with
+    q blocks, and a 1K causal sequence (q blocks with two new steps) came out 10 % high on
+    v6e; with one step item it is within 2 % (benchmarks/README.md, "Estimator")."""
+    if Case.parse(case) == Case.DECODE:
+        return FEATURES
+    return ("call", "seq", "qblock", "step", "page_cached")
+
+
 def design(case: Case | str, bs: BlockSizes, page_size: int, workloads, sliding_window=None) -> np.ndarray:
     case = Case.parse(case)
+    names = case_features(case)
     rows = []
     for w in workloads:
         lo, hi = w.case_range(case)
         f = features(case, bs, page_size, w.q_lens[lo:hi], w.kv_lens[lo:hi], sliding_window)
-        rows.append([f[k] for k in FEATURES])
+        rows.append([f[k] for k in names])
     return np.asarray(rows, dtype=np.float64)
 
 
 @dataclasses.dataclass(frozen=True)
 class CostModel:
-    """Cycles = sum of per-item costs x item counts (``kernel.steps.FEATURES``)."""
+    """Cycles = sum of per-item costs x item counts (``case_features``)."""
 
     case: str
     block_sizes: tuple
     page_size: int
-    coef: tuple                 # cycles per item, FEATURES order
+    coef: tuple                 # cycles per item, ``case_features(case)`` order
     probe_cycles: tuple
     probe_fit_error: float      # largest relative residual of a probe
     sliding_window: int | None = None
@@ -102,11 +117,11 @@ def _cache_key(doc: dict) -> str:
     import hashlib
     import json
     from ..provenance import kernel_hash, versions
-    full = dict(doc, kernel=kernel_hash(), versions=versions(), composer=COMPOSER_VERSION)
+    full = dict(doc, kernel=kernel_hash(), versions=versions(), composer=PROBE_VERSION)
     return hashlib.sha256(json.dumps(full, sort_keys=True).encode()).hexdigest()[:24]
 
 
-COMPOSER_VERSION = "1"
+PROBE_VERSION = "1"     # the probe workloads (``probes``); the fit is redone from cached cycles
 
 
 def probe_config(*, builder: str, case: Case | str, bs: BlockSizes, tpu: str, model: dict, limits: dict,
@@ -130,18 +145,23 @@ def probe_config(*, builder: str, case: Case | str, bs: BlockSizes, tpu: str, mo
     doc = dict(builder=builder, case=case.value, bs=list(bs), tpu=tpu, model=model, limits=limits,
                options=options or {})
     path = os.path.join(_cache_dir(), _cache_key(doc) + ".json")
+    plist = probes(case, bs, limits["page_size"])
+    window = (options or {}).get("sliding_window")
     if use_cache and os.path.exists(path):
         try:
             with open(path) as f:
-                return json.load(f)
-        except (OSError, ValueError):
+                out = json.load(f)
+            if out.get("status") == "ok":   # the probes' cycles are cached; the fit is redone
+                out["model"] = fit(case, bs, limits["page_size"], plist,
+                                   [p["cycles"] for p in out["probes"]], window).to_json()
+            return out
+        except (OSError, ValueError, KeyError, TypeError):
             pass
     cal = calibration(tpu)
     shape = ModelShape(**model)
     deadline = None if timeout is None else time.monotonic() + timeout
     out = {"status": "ok", "probes": [], "audit": audit_mod.COMPLETE, "reasons": [], "compile_s": 0.0,
            "max_rss_bytes": 0}
-    plist = probes(case, bs, limits["page_size"])
     for p in plist:
         w = p.workload(case)
         left = None if deadline is None else max(1.0, deadline - time.monotonic())
@@ -163,8 +183,7 @@ def probe_config(*, builder: str, case: Case | str, bs: BlockSizes, tpu: str, mo
         out["probes"].append(dict(q_lens=list(p.q_lens), kv_lens=list(p.kv_lens), cycles=r["cycles"],
                                   audit=a.to_json(), max_rss_bytes=r.get("max_rss_bytes"),
                                   compile_s=r.get("compile_s")))
-    m = fit(case, bs, limits["page_size"], plist, [p["cycles"] for p in out["probes"]],
-            (options or {}).get("sliding_window"))
+    m = fit(case, bs, limits["page_size"], plist, [p["cycles"] for p in out["probes"]], window)
     out["model"] = m.to_json()
     if use_cache:
         os.makedirs(os.path.dirname(path), exist_ok=True)

@@ -8,7 +8,9 @@ evidence behind ``estimated_cycles``: an instruction that is not in it was not c
 ``TraceStats`` counts, in one streaming pass (traces reach hundreds of MB):
 
 * DMA issues by direction (``dma.hbm_to_vmem``, ``dma.vmem_to_hbm``, ...) and their sizes
-  in granules (``size_in_granules``; bytes per granule come from the calibration);
+  in granules (``size_in_granules``; bytes per granule come from the calibration). A DMA
+  whose size is a run-time register prints the register, not the size: those are counted
+  apart (``dma_dynamic``), and their bytes are not in ``dma_granules``;
 * MXU instructions: ``vmatmul*`` (an LHS tile through loaded weights), ``vmatpush*``
   (weights pushed; ``.xpose`` = transposed), ``vmatprep*``, result pops;
 * bundles and every opcode's count (for reports).
@@ -22,7 +24,7 @@ import os
 import re
 
 _OP = re.compile(r"=\s+([a-z_][\w.]*)")
-_GRANULES = re.compile(r"size_in_granules=\*/\s*(\d+)")
+_GRANULES = re.compile(r"size_in_granules=\*/\s*(%?\w+)")
 
 
 @dataclasses.dataclass
@@ -31,6 +33,7 @@ class TraceStats:
     dma_issues: dict = dataclasses.field(default_factory=dict)      # direction -> count
     dma_granules: dict = dataclasses.field(default_factory=dict)    # direction -> granules
     opcodes: dict = dataclasses.field(default_factory=dict)         # opcode -> count
+    dma_dynamic: dict = dataclasses.field(default_factory=dict)     # direction -> issues of run-time size
 
     def count(self, prefix: str) -> int:
         """Instructions whose opcode starts with ``prefix`` (e.g. ``vmatmul``)."""
@@ -49,7 +52,7 @@ class TraceStats:
 
     def add(self, other: "TraceStats") -> "TraceStats":
         out = TraceStats(self.bundles + other.bundles)
-        for f in ("dma_issues", "dma_granules", "opcodes"):
+        for f in ("dma_issues", "dma_granules", "opcodes", "dma_dynamic"):
             c = collections.Counter(getattr(self, f))
             c.update(getattr(other, f))
             setattr(out, f, dict(c))
@@ -67,6 +70,7 @@ def parse_bundles(path: str) -> TraceStats:
     ops: collections.Counter = collections.Counter()
     issues: collections.Counter = collections.Counter()
     granules: collections.Counter = collections.Counter()
+    dynamic: collections.Counter = collections.Counter()
     bundles = 0
     with open(path, errors="replace") as f:
         for line in f:
@@ -82,9 +86,11 @@ def parse_bundles(path: str) -> TraceStats:
                 g = _GRANULES.search(line)
                 direction = op[4:]
                 issues[direction] += 1
-                if g:
+                if g and g.group(1).isdigit():
                     granules[direction] += int(g.group(1))
-    return TraceStats(bundles, dict(issues), dict(granules), dict(ops))
+                elif g:
+                    dynamic[direction] += 1
+    return TraceStats(bundles, dict(issues), dict(granules), dict(ops), dict(dynamic))
 
 
 def kernel_traces(directory: str, name_prefix: str) -> dict[str, str]:

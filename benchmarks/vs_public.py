@@ -1,0 +1,266 @@
+"""This project's kernel and the public RPA v3 kernel, side by side, under one estimator.
+
+Both kernels are compiled deviceless by the same profiler child (``rpa_tune.estimator.
+profiler``: libtpu's static profiler with the unrolled bundle trace on), every compile is
+audited against the work its piece needs (``rpa_tune.estimator.audit``), and both go
+through the same time model: ``time = max(cycles / calibrated clock, bytes / HBM BW,
+FLOPs / achievable MXU peak)``. Each kernel is reported at its best config of the same
+candidate set. Ours is ``rpa_tune.estimator.ours:lower``; the public one is tpu-inference
+0.32.0's kernel module, lowered by ``rpa_tune.estimator.public:lower`` (its metadata made
+visible to the profiler; module doc there).
+
+Method (the same for both kernels; whole compiles of the large workloads do not fit in
+memory for every kernel and generation, so each workload is built from compiles of its
+pieces by a rule stated here and checked where a whole compile fits):
+
+* decode, n identical sequences: whole compiles of 8 and 16 sequences, extrapolated
+  linearly in n (``c(n) = c8 + (n - 8) (c16 - c8) / 8``). Checked against whole 128-sequence
+  compiles in the ``--check`` rows.
+* causal prefill, one sequence of L tokens: the sum of its q blocks, q block i (rows
+  ``[i bq, (i+1) bq)``) costed as a chunk of ``bq`` new tokens after ``i bq`` cached ones;
+  the chunk cost is affine in its KV steps, fitted per kernel from three chunk compiles
+  (``i = 0, 1, 3``, or fewer when L is shorter). This drops the overlap between q blocks in
+  one pipeline, so it overstates both kernels; ``--check`` gives whole / sum at 1K.
+* the mixed step: one whole compile.
+
+What differs between the two programs: the public kernel is lowered with its KV-cache
+write-back off (with it on, the profiler aborts; its new tokens are read from the cache
+instead of the new-KV array, the same bytes into VMEM), so its write bytes are not in its
+trace; its audit checks reads and MXU work only. Run-time-sized DMAs print no size in the
+trace, so the read audit of the public kernel counts the page DMAs it can see.
+
+    python benchmarks/vs_public.py --tpu v6e [--tpu tpu7x ...] [--only decode] [--check]
+
+Pieces are cached in ``benchmarks/results/vs_public.jsonl`` (a rerun resumes); the table is
+written to ``benchmarks/results/vs_public.md``.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from kernel.config import BlockSizes, Case, cdiv  # noqa: E402
+from kernel.workload import ModelShape, ServingLimits, Workload  # noqa: E402
+from rpa_tune.estimator import audit, profiler  # noqa: E402
+from rpa_tune.estimator.calibration import calibration  # noqa: E402
+from rpa_tune.estimator.trace import TraceStats  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+CACHE = os.path.join(HERE, "results", "vs_public.jsonl")
+MODEL = ModelShape(32, 8, 128)      # Llama-3-8B: 32 q / 8 KV heads, head_dim 128, bf16
+KERNELS = {"ours": "rpa_tune.estimator.ours:lower", "public": "rpa_tune.estimator.public:lower"}
+CANDIDATES = {
+    Case.DECODE: [BlockSizes(1, 512, 1, 512), BlockSizes(1, 1024, 1, 1024), BlockSizes(1, 2048, 1, 1024)],
+    Case.PREFILL: [BlockSizes(128, 512, 128, 256), BlockSizes(256, 1024, 128, 512)],
+    Case.MIXED: [BlockSizes(64, 512, 64, 256), BlockSizes(128, 512, 64, 256)],
+}
+DECODE_LENS = (512, 2048, 8192)
+PAGES = (128, 256)
+PREFILL_LENS = (1024, 2048, 4096)
+MIXED_STEP = ([4, 4, 4, 4, 128], [2048, 2048, 2048, 2048, 640])   # 4 speculative-decode rows + a chunk
+RSS_CAP = 14 << 30
+
+
+def limits(page: int) -> ServingLimits:
+    return ServingLimits(page_size=page, max_num_tokens=4096, max_num_seqs=128, max_model_len=16384)
+
+
+# --------------------------------------------------------------------------- pieces
+def _key(kernel, gen, case, bs, page, q_lens, kv_lens) -> str:
+    return json.dumps([kernel, gen, case.value, list(bs), page, list(q_lens), list(kv_lens)])
+
+
+def _load_cache() -> dict:
+    out = {}
+    if os.path.exists(CACHE):
+        with open(CACHE) as f:
+            for line in f:
+                try:
+                    d = json.loads(line)
+                    out[d["key"]] = d
+                except ValueError:
+                    continue
+    return out
+
+
+_CACHE: dict = {}
+
+
+def piece(kernel: str, gen: str, case: Case, bs: BlockSizes, page: int, q_lens, kv_lens) -> dict:
+    """One whole compile of one kernel on one workload: cycles and the audit of its trace."""
+    key = _key(kernel, gen, case, bs, page, q_lens, kv_lens)
+    if key in _CACHE:
+        return _CACHE[key]
+    w = Workload.of_case(case, list(q_lens), list(kv_lens))
+    req = dict(workload=dict(q_lens=list(w.q_lens), kv_lens=list(w.kv_lens), distribution=list(w.distribution)),
+               block_sizes=list(bs), tpu=gen, model=dataclasses.asdict(MODEL),
+               limits=dataclasses.asdict(limits(page)), case=case.value)
+    t0 = time.time()
+    r = profiler.profile(KERNELS[kernel], req, timeout=1800, rss_cap=RSS_CAP, bundles=True)
+    rec = dict(key=key, status=r["status"], cycles=r.get("cycles"), wall_s=time.time() - t0,
+               max_rss_bytes=r.get("max_rss_bytes"), message=(r.get("message") or "")[-300:])
+    if r["status"] == "ok":
+        need = audit.needed(w, MODEL, case)
+        if kernel == "public":       # write-back off: its writes are not in the program (module doc)
+            need = dataclasses.replace(need, kv_write_bytes=0)
+        a = audit.audit_trace(TraceStats.from_json(r["trace"]), need, calibration(gen))
+        rec["audit"] = a.to_json()
+    _CACHE[key] = rec
+    os.makedirs(os.path.dirname(CACHE), exist_ok=True)
+    with open(CACHE, "a") as f:
+        f.write(json.dumps(rec) + "\n")
+    print(f"  {kernel:6s} {gen:5s} {case.value:7s} {tuple(bs)} page {page} q={_short(q_lens)} kv={_short(kv_lens)}:"
+          f" {rec['status']} {rec['cycles'] or ''} ({rec['wall_s']:.0f} s, "
+          f"{(rec['max_rss_bytes'] or 0) / 2**30:.1f} GB)", flush=True)
+    return rec
+
+
+def _short(xs) -> str:
+    xs = list(xs)
+    return f"{xs[0]}x{len(xs)}" if len(set(xs)) == 1 and len(xs) > 1 else ",".join(map(str, xs))
+
+
+# --------------------------------------------------------------------------- composition rules
+@dataclasses.dataclass
+class Estimate:
+    status: str                 # ok, or the first failing piece's status
+    cycles: float | None = None
+    audit: str = audit.COMPLETE
+    reasons: tuple = ()
+    message: str = ""
+
+
+def _combine(recs: list[dict], cycles_fn) -> Estimate:
+    bad = next((r for r in recs if r["status"] != "ok"), None)
+    if bad:
+        return Estimate(bad["status"], message=bad["message"])
+    reasons = tuple(x for r in recs for x in r["audit"]["reasons"])
+    return Estimate("ok", float(cycles_fn([r["cycles"] for r in recs])),
+                    audit.INCOMPLETE if reasons else audit.COMPLETE, reasons)
+
+
+def decode_estimate(kernel, gen, bs, page, n, L) -> Estimate:
+    recs = [piece(kernel, gen, Case.DECODE, bs, page, [1] * m, [L] * m) for m in (8, 16)]
+    return _combine(recs, lambda c: c[0] + (n - 8) * (c[1] - c[0]) / 8)
+
+
+def prefill_estimate(kernel, gen, bs, L) -> Estimate:
+    """Sum over q blocks of a chunk cost affine in the chunk's KV steps (module doc)."""
+    bq, bkv = bs.bq, bs.bkv
+    nq = cdiv(L, bq)
+    steps = lambda i: cdiv(i * bq, bkv) + cdiv(bq, bkv)     # cached KV blocks + new-token blocks
+    fit_i = sorted({0, min(1, nq - 1), min(3, nq - 1)})
+    recs = [piece(kernel, gen, Case.PREFILL, bs, 128, [bq], [(i + 1) * bq]) for i in fit_i]
+
+    def total(c):
+        x = np.array([[1.0, steps(i)] for i in fit_i])
+        coef = np.linalg.lstsq(x, np.array(c, dtype=float), rcond=None)[0]
+        return sum(coef[0] + coef[1] * steps(i) for i in range(nq))
+    return _combine(recs, total)
+
+
+def mixed_estimate(kernel, gen, bs) -> Estimate:
+    return _combine([piece(kernel, gen, Case.MIXED, bs, 128, *MIXED_STEP)], lambda c: c[0])
+
+
+# --------------------------------------------------------------------------- table
+def rows(gens, only):
+    """(gen, workload name, case, Workload, {kernel: {bs: Estimate}})"""
+    for gen in gens:
+        if only in (None, "decode"):
+            for L in DECODE_LENS:
+                for page in PAGES:
+                    w = Workload.of_case("decode", [1] * 128, [L] * 128)
+                    yield gen, f"decode 128 x {L}, page {page}", Case.DECODE, w, {
+                        k: {bs: decode_estimate(k, gen, bs, page, 128, L) for bs in CANDIDATES[Case.DECODE]}
+                        for k in KERNELS}
+        if only in (None, "prefill"):
+            for L in PREFILL_LENS:
+                w = Workload.of_case("prefill", [L], [L])
+                yield gen, f"causal prefill 1 x {L}", Case.PREFILL, w, {
+                    k: {bs: prefill_estimate(k, gen, bs, L) for bs in CANDIDATES[Case.PREFILL]} for k in KERNELS}
+        if only in (None, "mixed"):
+            w = Workload.of_case("mixed", *MIXED_STEP)
+            yield gen, "mixed: 4 x spec-4 at 2K + 128 after 512", Case.MIXED, w, {
+                k: {bs: mixed_estimate(k, gen, bs) for bs in CANDIDATES[Case.MIXED]} for k in KERNELS}
+
+
+def best(ests: dict, w: Workload, case: Case, gen: str):
+    """The config with the least modelled time among complete-audit estimates (an incomplete
+    one wins only when no candidate is complete, and is marked)."""
+    ok = [(bs, e, audit.time_model(e.cycles, w, MODEL, gen, case)) for bs, e in ests.items() if e.status == "ok"]
+    if not ok:
+        return None
+    complete = [x for x in ok if x[1].audit == audit.COMPLETE]
+    return min(complete or ok, key=lambda x: x[2]["time_s"])
+
+
+def fmt_cell(b) -> str:
+    if b is None:
+        return "fails", ""
+    bs, e, t = b
+    mark = "" if e.audit == audit.COMPLETE else " (audit incomplete)"
+    return (f"{t['time_s'] * 1e6:,.0f} µs{mark}", f"{e.cycles / 1e3:,.0f}k @ {tuple(bs)}; {t['active_bound']}"
+            f"{'' if t['rate_ok'] else ', rate > peak'}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tpu", action="append", default=None)
+    ap.add_argument("--only", choices=["decode", "prefill", "mixed"], default=None)
+    ap.add_argument("--check", action="store_true", help="also compile whole workloads to check the rules")
+    ap.add_argument("--out", default=os.path.join(HERE, "results", "vs_public.md"))
+    args = ap.parse_args()
+    _CACHE.update(_load_cache())
+    gens = args.tpu or ["v6e"]
+    lines = ["| gen | workload | ours: time | ours: cycles @ best config; bound | public: time | "
+             "public: cycles @ best; bound | ours / public (time) |", "|---|---|---:|---|---:|---|---:|"]
+    notes = []
+    for gen, name, case, w, per in rows(gens, args.only):
+        b = {k: best(per[k], w, case, gen) for k in KERNELS}
+        o, p = fmt_cell(b["ours"]), fmt_cell(b["public"])
+        ratio = f"{b['ours'][2]['time_s'] / b['public'][2]['time_s']:.2f}" if b["ours"] and b["public"] else ""
+        lines.append(f"| {gen} | {name} | {o[0]} | {o[1]} | {p[0]} | {p[1]} | {ratio} |")
+        print(lines[-1], flush=True)
+        for k in KERNELS:
+            for bs, e in per[k].items():
+                if e.status != "ok":
+                    notes.append(f"- {gen} {name}, {k} {tuple(bs)}: {e.status}: {e.message.strip()[-160:]}")
+                elif e.reasons:
+                    notes.append(f"- {gen} {name}, {k} {tuple(bs)}: audit incomplete: {'; '.join(e.reasons)[:200]}")
+    if args.check:
+        lines += ["", "Checks of the composition rules against whole compiles (cycles):", "",
+                  "| kernel | gen | workload | config | whole | by the rule | rule / whole |", "|---|---|---|---|---:|---:|---:|"]
+        for gen in gens:
+            for k in KERNELS:
+                bs = CANDIDATES[Case.DECODE][1]
+                whole = piece(k, gen, Case.DECODE, bs, 256, [1] * 128, [2048] * 128)
+                rule = decode_estimate(k, gen, bs, 256, 128, 2048)
+                lines.append(_check_line(k, gen, "decode 128 x 2048, page 256", bs, whole, rule))
+                bs = CANDIDATES[Case.PREFILL][0]
+                whole = piece(k, gen, Case.PREFILL, bs, 128, [1024], [1024])
+                rule = prefill_estimate(k, gen, bs, 1024)
+                lines.append(_check_line(k, gen, "causal prefill 1 x 1024", bs, whole, rule))
+    text = "\n".join(lines + ([""] + notes if notes else [])) + "\n"
+    print(text)
+    with open(args.out, "w") as f:
+        f.write(text)
+
+
+def _check_line(k, gen, name, bs, whole, rule: Estimate) -> str:
+    if whole["status"] != "ok" or rule.status != "ok":
+        return f"| {k} | {gen} | {name} | {tuple(bs)} | {whole['status']} | {rule.status} | |"
+    return (f"| {k} | {gen} | {name} | {tuple(bs)} | {whole['cycles']:,} | {rule.cycles:,.0f} | "
+            f"{rule.cycles / whole['cycles']:.3f} |")
+
+
+if __name__ == "__main__":
+    main()
