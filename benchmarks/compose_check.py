@@ -9,7 +9,8 @@ the workloads are kept to at most 16 decode sequences / one 1K prefill chunk.
 
     python benchmarks/compose_check.py --tpu v6e --tpu tpu7x --tpu v5e [--out FILE]
 
-Full compiles are cached in ``benchmarks/results/compose_check.jsonl`` (a rerun resumes).
+Full compiles and probe cycles are recorded in ``benchmarks/results/compose_check.jsonl``,
+keyed by the kernel's source hash (a rerun resumes; a kernel edit re-measures).
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from kernel.config import BlockSizes, Case  # noqa: E402
 from kernel.workload import ModelShape, ServingLimits, Workload  # noqa: E402
 from rpa_tune.estimator import compose, profiler  # noqa: E402
+from rpa_tune.provenance import kernel_hash  # noqa: E402
 
 MODEL = ModelShape(32, 8, 128)
 CACHE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "compose_check.jsonl")
@@ -84,7 +86,7 @@ def main() -> None:
                     models[case] = None
                     continue
                 models[case] = compose.model_from_json(pr["model"])
-                pkey = json.dumps([gen, "probes", case.value, list(bs)])
+                pkey = json.dumps([gen, "probes", case.value, list(bs), kernel_hash()])
                 if pkey not in cache:     # recorded for tests/test_estimator.py's refit check
                     cache[pkey] = dict(key=pkey, status="ok", probes=[
                         {k: p[k] for k in ("q_lens", "kv_lens", "cycles")} for p in pr["probes"]])
@@ -97,7 +99,7 @@ def main() -> None:
             req = dict(workload=dict(q_lens=list(w.q_lens), kv_lens=list(w.kv_lens),
                                      distribution=list(w.distribution)), block_sizes=list(bs), tpu=gen,
                        model=dataclasses.asdict(MODEL), limits=dataclasses.asdict(limits), case=case.value)
-            key = json.dumps([gen, name, list(bs)])
+            key = json.dumps([gen, name, list(bs), kernel_hash()])
             r = cache.get(key)
             if r is None:
                 t0 = time.time()

@@ -31,8 +31,9 @@ trace, so the read audit of the public kernel counts the page DMAs it can see.
 
     python benchmarks/vs_public.py --tpu v6e [--tpu tpu7x ...] [--only decode] [--check]
 
-Pieces are cached in ``benchmarks/results/vs_public.jsonl`` (a rerun resumes); the table is
-written to ``benchmarks/results/vs_public.md``.
+Pieces are cached in ``benchmarks/results/vs_public.jsonl``, keyed by our kernel's source
+hash / the public package's version (a rerun resumes; a kernel edit re-measures ours); the
+table is written to ``benchmarks/results/vs_public.md``.
 """
 from __future__ import annotations
 
@@ -52,6 +53,7 @@ from kernel.workload import ModelShape, ServingLimits, Workload  # noqa: E402
 from rpa_tune.estimator import audit, profiler  # noqa: E402
 from rpa_tune.estimator.calibration import calibration  # noqa: E402
 from rpa_tune.estimator.trace import TraceStats  # noqa: E402
+from rpa_tune.provenance import kernel_hash  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CACHE = os.path.join(HERE, "results", "vs_public.jsonl")
@@ -74,8 +76,17 @@ def limits(page: int) -> ServingLimits:
 
 
 # --------------------------------------------------------------------------- pieces
+def _version(kernel: str) -> str:
+    """What a cached piece depends on besides its workload: our kernel's source hash (the
+    files that shape an estimate), or the pinned public package's version."""
+    if kernel == "ours":
+        return kernel_hash()
+    from rpa_tune.public_kernel import installed_version
+    return f"tpu-inference {installed_version()}"
+
+
 def _key(kernel, gen, case, bs, page, q_lens, kv_lens) -> str:
-    return json.dumps([kernel, gen, case.value, list(bs), page, list(q_lens), list(kv_lens)])
+    return json.dumps([kernel, _version(kernel), gen, case.value, list(bs), page, list(q_lens), list(kv_lens)])
 
 
 def _load_cache() -> dict:

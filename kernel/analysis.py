@@ -21,6 +21,8 @@ import dataclasses
 import os
 import re
 
+import numpy as np
+
 from .config import BlockSizes, CASES, Case, cdiv, get_generation, get_kv_cache_shape, round_up
 from .workload import ModelShape, ServingLimits, Workload
 
@@ -89,18 +91,34 @@ def _block_dict(block_sizes) -> dict:
 
 def lower_deviceless(model: ModelShape, limits: ServingLimits, tpu: str, block_sizes=None,
                      cases=("decode", "prefill", "mixed"), *, vmem_limit_bytes=None,
-                     static_meta=None, num_pages: int | None = None, **attn_options):
-    """Lower the kernel for TPU generation ``tpu`` without a TPU. Returns ``jax.stages.Lowered``."""
+                     static_meta=None, num_pages: int | None = None, prepared_operands: bool = False,
+                     **attn_options):
+    """Lower the kernel for TPU generation ``tpu`` without a TPU. Returns ``jax.stages.Lowered``.
+
+    ``prepared_operands``: lower the case kernels on operands already in the kernel's
+    layout (``api.prepare_inputs``' q / merged new K/V / output arrays as parameters), so
+    the program holds no XLA op before the kernels. For fp8 caches libtpu's static profiler
+    aborts on XLA's bf16 -> fp8 conversion and fp8 pad fusions on v5e and TPU7x (the kernel
+    itself profiles); the kernel's cycles do not depend on where its operands came from."""
     import jax
-    from .api import _rpa_jit, build_options
+    from .api import _rpa_jit, build_options, prepare_inputs, run_cases
     cases = tuple(Case.parse(c).value for c in cases)
     args = abstract_inputs(model, limits, tpu, num_pages)
     dims = _dims(model, limits, args["kv_cache"].shape[0])
     options = build_options(dims, get_generation(tpu).name, _block_dict(block_sizes),
                             vmem_limit_bytes=vmem_limit_bytes, static_meta=static_meta,
                             cases=cases, **attn_options)
-    fn = lambda *a: _rpa_jit(*a, options=options, interpret=None)
     order = ("queries", "keys", "values", "kv_cache", "kv_lens", "page_indices", "cu_q_lens", "distribution")
+    if prepared_operands:
+        shapes = jax.eval_shape(lambda q, k, v, c: prepare_inputs(q, k, v, c, options),
+                                *(args[k] for k in order[:4]))
+        sh = args["kv_cache"].sharding
+        prepped = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh) for x in shapes]
+        fn = lambda q, nkv, o, cache, *meta: run_cases(
+            q, nkv, o, cache, *meta, num_kv_heads=model.num_kv_heads, group=model.group,
+            head_dim=model.head_dim, options=options, interpret=None)
+        return jax.jit(fn, donate_argnums=(2, 3)).lower(*prepped, *(args[k] for k in order[3:]))
+    fn = lambda *a: _rpa_jit(*a, options=options, interpret=None)
     # donate the cache as the serving call does (_rpa_jit donates kv_cache): without it XLA
     # adds a full copy of the cache that production does not have.
     return jax.jit(fn, donate_argnums=(order.index("kv_cache"),)).lower(*(args[k] for k in order))
@@ -168,6 +186,7 @@ def lower_for_estimate(workload: Workload, block_sizes, tpu: str, model: ModelSh
     # (its VMEM scratch depends on the block sizes and the model only).
     limits = estimate_limits(workload, limits, bsd)
     meta = static_meta_for(workload, limits)
+    attn_options.setdefault("prepared_operands", np.dtype(model.kv_dtype).itemsize == 1)
     return lower_deviceless(model, limits, tpu, bsd, cases=(case.value,), static_meta=meta,
                             num_pages=estimate_num_pages(workload, model, limits, tpu),
                             **attn_options)

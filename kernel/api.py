@@ -240,10 +240,20 @@ def vmem_limit_for(spec: rpa.KernelSpec, q_dtype, kv_dtype, generation: str, exp
 def _rpa_jit(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, distribution, *,
              options: Options, interpret):
     T, Hq, D = queries.shape
-    Hkv = keys.shape[1]
     q, newkv, o = prepare_inputs(queries, keys, values, kv_cache, options)
+    o, kv_cache = run_cases(q, newkv, o, kv_cache, kv_lens, page_indices, cu_q_lens, distribution,
+                            num_kv_heads=keys.shape[1], group=Hq // keys.shape[1], head_dim=D,
+                            options=options, interpret=interpret)
+    out = o[:T].reshape(T, Hq, -1)[:, :, :D]
+    return out, kv_cache
+
+
+def run_cases(q, newkv, o, kv_cache, kv_lens, page_indices, cu_q_lens, distribution, *, num_kv_heads,
+              group, head_dim, options: Options, interpret):
+    """The case kernels on prepared operands (``prepare_inputs``); returns ``(o, kv_cache)``."""
+    Hkv, D = num_kv_heads, head_dim
     S = kv_lens.shape[0]
-    common = dict(num_kv_heads=Hkv, group=Hq // Hkv, head_dim=D, page_size=kv_cache.shape[1],
+    common = dict(num_kv_heads=Hkv, group=group, head_dim=D, page_size=kv_cache.shape[1],
                   pages_per_seq=page_indices.shape[0] // S, kv_rows=kv_cache.shape[2],
                   kv_pack=kv_cache.shape[3], max_num_seqs=S)
     for name in options.cases:
@@ -259,5 +269,4 @@ def _rpa_jit(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, 
                 else options.vmem_limit_bytes),
             interpret=interpret if interpret is not None else False)
         o, kv_cache = call(kv_lens, page_indices, cu_q_lens, distribution, q, newkv, kv_cache, o)
-    out = o[:T].reshape(T, Hq, -1)[:, :, :D]
-    return out, kv_cache
+    return o, kv_cache
