@@ -46,6 +46,8 @@ from .config import BlockSizes, Case, cdiv
 
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 LANES = 128
+# f32 score-tile budget (vregs) of one online-softmax update; see _row_tile.
+ROW_TILE_VREGS = 32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -214,10 +216,15 @@ def _split_words(w, v_scale):
 
 def _row_tile(rows: int, ckv: int) -> int:
     """Rows of q per online-softmax update: the largest divisor of ``rows`` that is a
-    multiple of 16 (a bf16 q tile) and keeps the f32 score tile (rows x ckv) within 32
-    vregs (half the vreg file: p, the mask and the operands need the rest). ``rows``
-    itself when it has no such divisor (small decode tiles)."""
-    budget = max(16, (32 * 8 * LANES) // max(LANES, ckv))
+    multiple of 16 (a bf16 q tile) and keeps the f32 score tile (rows x ckv) within
+    ``ROW_TILE_VREGS`` vregs; ``rows`` itself when it has no such divisor (small decode
+    tiles). Measured on v6e (prefill q block, Llama-3-8B shard, bs (128, 512, 128, 256),
+    512 x 256 scores = 128 vregs): one 512-row tile 15.9k cycles, 256-row tiles 16.7k,
+    128 17.0k, 64 62.6k (the scheduler spills the score tile either way, as it overlaps
+    heads; smaller tiles add MXU weight pushes and per-tile overhead). But one 512-row
+    tile ran out of VMEM on TPU7x (spilled score tiles of several heads), while 128-row
+    tiles (budget 32) compile and profile on v5e, v6e and TPU7x, so the budget is 32."""
+    budget = max(16, (ROW_TILE_VREGS * 8 * LANES) // max(LANES, ckv))
     best = None
     for t in range(16, min(rows, budget) + 1, 16):
         if rows % t == 0:
