@@ -39,7 +39,7 @@ def scratch_bytes(bs: BlockSizes, *, num_kv_heads: int, group: int, head_dim: in
     total += _bytes((num_kv_heads, bq * group, Dp), np.float32)             # acc
     total += 2 * _bytes((num_kv_heads, bq * group, LANES), np.float32)      # m, l
     # one update's live f32 tiles: scores/probabilities (a row tile) and the K/V chunk
-    total += 2 * round_up(min(cq * group, max(16, 32 * 8 * LANES // round_up(ckv, LANES))), 8) \
+    total += 2 * round_up(min(cq * group, max(16, 64 * 8 * LANES // round_up(ckv, LANES))), 8) \
         * round_up(ckv, LANES) * 4
     total += 2 * ckv * kv_pack * Dp * 4
     return total
