@@ -46,6 +46,8 @@ from .config import BlockSizes, Case, cdiv
 
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 LANES = 128
+# f32 score-tile budget (vregs) of one online-softmax update; see _row_tile.
+ROW_TILE_VREGS = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,6 +214,26 @@ def _split_words(w, v_scale):
     return k.astype(jnp.bfloat16), v.astype(jnp.bfloat16)
 
 
+def _row_tile(rows: int, ckv: int) -> int:
+    """Rows of q per online-softmax update: the largest divisor of ``rows`` that is a
+    multiple of 16 (a bf16 q tile) and keeps the f32 score tile (rows x ckv) within
+    ``ROW_TILE_VREGS`` vregs; ``rows`` itself when it has no such divisor (small decode
+    tiles). Measured on v6e (prefill q block, Llama-3-8B shard, bs (128, 512, 128, 256),
+    512 x 256 scores = 128 vregs): one 512-row tile 15.9k cycles, 256-row tiles 16.7k,
+    128 17.0k, 64 62.6k (the scheduler spills the score tile either way, as it overlaps
+    heads; smaller tiles add MXU weight pushes and per-tile overhead). But one 512-row
+    tile ran out of VMEM on TPU7x (spilled score tiles of several heads); 256-row tiles
+    (budget 64) compile and profile on v5e, v6e and TPU7x, and beat 128-row ones on all
+    three (TPU7x 17.2k vs 17.6k, v5e 25.0k vs 25.3k; v6e with 1K of context 35.5k vs
+    36.3k), so the budget is 64."""
+    budget = max(16, (ROW_TILE_VREGS * 8 * LANES) // max(LANES, ckv))
+    best = None
+    for t in range(16, min(rows, budget) + 1, 16):
+        if rows % t == 0:
+            best = t
+    return best or rows
+
+
 def _make_kernel(spec: KernelSpec, interpret: bool = False):
     case, bs = spec.case, spec.bs
     bq, bkv, cq, ckv = bs
@@ -227,11 +249,12 @@ def _make_kernel(spec: KernelSpec, interpret: bool = False):
     v_scale = spec.v_scale
     lo_idx, hi_idx = {Case.DECODE: (None, 0), Case.PREFILL: (0, 1), Case.MIXED: (1, 2)}[case]
     analysis = spec.static_meta is not None
+    row_tile = _row_tile(cq * G, ckv)
 
     def kernel(kv_lens_ref, page_idx_ref, cu_ref, dist_ref,      # scalar prefetch (SMEM)
                q_hbm, newkv_hbm, cache_hbm, o_in_hbm,             # inputs (HBM)
                o_hbm, cache_out_hbm,                              # outputs (aliased)
-               q_buf, kv_buf, nkv_buf, o_buf, acc_ref, m_ref, l_ref,
+               q_buf, kv_buf, nkv_buf, o_buf, qh_ref, acc_ref, m_ref, l_ref,
                cnt_ref, meta_ref, sems):
         del o_in_hbm, cache_hbm  # aliased to the outputs
         if analysis:
@@ -395,33 +418,45 @@ def _make_kernel(spec: KernelSpec, interpret: bool = False):
             l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
             acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
-        def flash_update(h, y, q_pos, k, v, k_pos, kv_valid):
-            """One online-softmax update of q chunk y of head h against (k, v)."""
-            rows = pl.ds(y * cq, cq)
-            q = q_buf[qslot_ref[0], rows, h].astype(jnp.float32).reshape(cq * G, Dp)
-            s = jax.lax.dot_general(q.astype(k.dtype), k, (((1,), (1,)), ((), ())),
-                                    preferred_element_type=jnp.float32) * scale
-            if spec.soft_cap is not None:
-                s = spec.soft_cap * jnp.tanh(s / spec.soft_cap)
-            mask = kv_valid
-            if not decode:
-                mask = jnp.logical_and(mask, k_pos <= q_pos)
-            if window:
-                mask = jnp.logical_and(mask, k_pos > q_pos - window)
-            s = jnp.where(mask, s, MASK_VALUE)
-            # m and l stay lane-replicated (rows, 128) end to end: no lane slicing and
-            # re-broadcasting through the permute unit on every update.
-            m_prev = m_ref[rows, h].reshape(cq * G, LANES)
-            l_prev = l_ref[rows, h].reshape(cq * G, LANES)
-            m_new = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
-            p = jnp.exp(s - _lanes(m_new, ckv))
-            alpha = jnp.exp(m_prev - m_new)
-            l_new = alpha * l_prev + p.sum(axis=1, keepdims=True)
-            pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-            acc = acc_ref[rows, h].reshape(cq * G, Dp)
-            acc_ref[rows, h] = (_lanes(alpha, Dp) * acc + pv).reshape(cq, G, Dp)
-            m_ref[rows, h] = m_new.reshape(cq, G, LANES)
-            l_ref[rows, h] = l_new.reshape(cq, G, LANES)
+        def load_q(qslot):
+            """The q block, head-major: qh[h, t * G + g] = q[t, h, g] (bf16, the MXU operand
+            dtype). Done once per q block; every step, chunk and row tile then reads its
+            rows as one aligned 2-D slab."""
+            for h in range(Hkv):
+                q = q_buf[qslot, :, h].astype(jnp.float32).reshape(bq * G, Dp)
+                qh_ref[h] = q.astype(qh_ref.dtype)
+
+        def flash_update(h, y, q_first, k, v, k_pos, kv_valid):
+            """One online-softmax update of q chunk y of head h against (k, v), in row tiles
+            of ``row_tile`` rows (the score tile of one fits in the vreg file)."""
+            for r0 in range(0, cq * G, row_tile):
+                r = y * (cq * G) + r0
+                rows = pl.ds(r, row_tile)
+                q = qh_ref[h, rows]
+                s = jax.lax.dot_general(q.astype(k.dtype), k, (((1,), (1,)), ((), ())),
+                                        preferred_element_type=jnp.float32) * scale
+                if spec.soft_cap is not None:
+                    s = spec.soft_cap * jnp.tanh(s / spec.soft_cap)
+                mask = kv_valid
+                if not decode or window:
+                    q_pos = q_first + _div(r + jax.lax.broadcasted_iota(jnp.int32, (row_tile, 1), 0), G)
+                if not decode:
+                    mask = jnp.logical_and(mask, k_pos <= q_pos)
+                if window:
+                    mask = jnp.logical_and(mask, k_pos > q_pos - window)
+                s = jnp.where(mask, s, MASK_VALUE)
+                # m and l stay lane-replicated (rows, 128) end to end: no lane slicing and
+                # re-broadcasting through the permute unit on every update.
+                m_prev = m_ref[h, rows]
+                l_prev = l_ref[h, rows]
+                m_new = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
+                p = jnp.exp(s - _lanes(m_new, ckv))
+                alpha = jnp.exp(m_prev - m_new)
+                l_new = alpha * l_prev + p.sum(axis=1, keepdims=True)
+                pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+                acc_ref[h, rows] = _lanes(alpha, Dp) * acc_ref[h, rows] + pv
+                m_ref[h, rows] = m_new
+                l_ref[h, rows] = l_new
 
         def split_kv(kv, j):
             """kv: f32 (n, ps, pk, Dp) of one packed row -> K, V (n*ps, Dp) of its j-th head.
@@ -460,7 +495,6 @@ def _make_kernel(spec: KernelSpec, interpret: bool = False):
             q_first = ctx + i * bq
             q_hi = ctx + _min((i + 1) * bq, q_len)                 # one past last valid pos
             lo_pos = _max(0, q_first - window + 1) if window else 0
-            qpos_tile = (q_first + _div(jax.lax.broadcasted_iota(jnp.int32, (cq * G, 1), 0), G))
 
             # Decode runs only the chunks that hold visible keys, [x_lo, x_hi), computed
             # from the step's bounds, so the loop body has no branch.
@@ -475,7 +509,7 @@ def _make_kernel(spec: KernelSpec, interpret: bool = False):
 
                 def attend(h, kk, vv):
                     def qc(y, carry3):
-                        flash_update(h, y, qpos_tile + y * cq, kk, vv, k_pos, kv_valid)
+                        flash_update(h, y, q_first, kk, vv, k_pos, kv_valid)
                         return carry3
 
                     _loop(0, n_qchunks, qc, 0, unroll_static=n_qchunks <= 2 or analysis)
@@ -553,21 +587,23 @@ def _make_kernel(spec: KernelSpec, interpret: bool = False):
                 vv = row[r, j + 1:j + 2, :]
                 if v_scale is not None:
                     vv = vv * v_scale
-                q = q_buf[qslot, pl.ds(0, 1), h].astype(jnp.float32).reshape(G, Dp)
+                q = qh_ref[h, pl.ds(0, G)].astype(jnp.float32)
                 s = jnp.sum(q * kk, axis=1, keepdims=True) * scale           # (G, 1)
                 if spec.soft_cap is not None:
                     s = spec.soft_cap * jnp.tanh(s / spec.soft_cap)
-                m_prev = m_ref[0, h]
+                g = pl.ds(0, G)
+                m_prev = m_ref[h, g]
                 m_new = jnp.maximum(m_prev, s)                   # (G, 128)
                 p = jnp.exp(s - m_new)
                 alpha = jnp.exp(m_prev - m_new)
-                l_ref[0, h] = alpha * l_ref[0, h] + p
-                m_ref[0, h] = m_new
-                acc_ref[0, h] = _lanes(alpha, Dp) * acc_ref[0, h] + _lanes(p, Dp) * vv
+                l_ref[h, g] = alpha * l_ref[h, g] + p
+                m_ref[h, g] = m_new
+                acc_ref[h, g] = _lanes(alpha, Dp) * acc_ref[h, g] + _lanes(p, Dp) * vv
 
         def finalize(oslot):
-            inv = 1.0 / l_ref[...][..., :1]
-            o_buf[oslot] = (acc_ref[...] * inv).astype(o_buf.dtype)
+            for h in range(Hkv):
+                out = acc_ref[h] * (1.0 / l_ref[h][:, :1])          # (bq * G, Dp)
+                o_buf[oslot, :, h] = out.reshape(bq, G, Dp).astype(o_buf.dtype)
 
         # ---------------------------------------------------------- pipeline
         qslot_ref = cnt_ref.at[pl.ds(2, 1)]   # current q slot (read inside flash_update)
@@ -602,6 +638,7 @@ def _make_kernel(spec: KernelSpec, interpret: bool = False):
                             fetch_q(nxt_s, nxt_i, 1 - qslot)
 
                         wait_q(qslot)
+                        load_q(qslot)
                         init_acc()
                         c0, nc, n0, nn = qblock_steps(info, i)
                         nsteps = nc + nn
@@ -672,9 +709,10 @@ def build_case_call(spec: KernelSpec, *, q_shape, q_dtype, newkv_shape, cache_sh
         pltpu.VMEM((2,) + kv_block_shape, cache_dtype),            # kv_buf
         pltpu.VMEM((2, 1, spec.kv_rows, spec.kv_pack, Dp), cache_dtype),  # nkv_buf (decode)
         pltpu.VMEM((2, bq, Hkv, G, Dp), q_dtype),                  # o_buf
-        pltpu.VMEM((bq, Hkv, G, Dp), jnp.float32),                 # acc
-        pltpu.VMEM((bq, Hkv, G, LANES), jnp.float32),              # m
-        pltpu.VMEM((bq, Hkv, G, LANES), jnp.float32),              # l
+        pltpu.VMEM((Hkv, bq * G, Dp), jnp.bfloat16),               # qh (head-major q)
+        pltpu.VMEM((Hkv, bq * G, Dp), jnp.float32),                # acc
+        pltpu.VMEM((Hkv, bq * G, LANES), jnp.float32),             # m
+        pltpu.VMEM((Hkv, bq * G, LANES), jnp.float32),             # l
         pltpu.SMEM((8,), jnp.int32),                               # counters / slots
         pltpu.SMEM((2 * spec.max_num_seqs + 1 if spec.static_meta else 1,), jnp.int32),
         pltpu.SemaphoreType.DMA((5, 2)),

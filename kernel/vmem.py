@@ -35,10 +35,12 @@ def scratch_bytes(bs: BlockSizes, *, num_kv_heads: int, group: int, head_dim: in
     total += 2 * _bytes((2, bq, num_kv_heads, group, Dp), q_dtype)          # q_buf + o_buf
     total += _bytes((2, bkv // page_size, page_size, kv_rows, kv_pack, Dp), kv_dtype)
     total += _bytes((2, 1, kv_rows, kv_pack, Dp), kv_dtype)
-    total += _bytes((bq, num_kv_heads, group, Dp), np.float32)
-    total += 2 * _bytes((bq, num_kv_heads, group, LANES), np.float32)
-    # one compute step's live f32 tiles: scores/probabilities and the K/V chunk
-    total += 2 * round_up(cq * group, 8) * round_up(ckv, LANES) * 4
+    total += _bytes((num_kv_heads, bq * group, Dp), np.float16)  # qh (bf16; same tiling as f16)
+    total += _bytes((num_kv_heads, bq * group, Dp), np.float32)             # acc
+    total += 2 * _bytes((num_kv_heads, bq * group, LANES), np.float32)      # m, l
+    # one update's live f32 tiles: scores/probabilities (a row tile) and the K/V chunk
+    total += 2 * round_up(min(cq * group, max(16, 64 * 8 * LANES // round_up(ckv, LANES))), 8) \
+        * round_up(ckv, LANES) * 4
     total += 2 * ckv * kv_pack * Dp * 4
     return total
 
