@@ -56,6 +56,8 @@ from kernel.workload import ModelShape, ServingLimits, Workload  # noqa: E402
 from rpa_tune.estimator import audit, profiler  # noqa: E402
 from rpa_tune.estimator.calibration import calibration  # noqa: E402
 from rpa_tune.estimator.trace import TraceStats  # noqa: E402
+from kernel.hardware import tpu_info  # noqa: E402
+from rpa_tune.evaluators.base import raised_vmem_limit  # noqa: E402
 from rpa_tune.provenance import kernel_hash  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -111,7 +113,9 @@ _CACHE: dict = {}
 def piece(kernel: str, gen: str, case: Case, bs: BlockSizes, page: int, q_lens, kv_lens) -> dict:
     """One whole compile of one kernel on one workload: cycles and the audit of its trace."""
     key = _key(kernel, gen, case, bs, page, q_lens, kv_lens)
-    if key in _CACHE:
+    if key not in _CACHE:
+        _CACHE.update(_load_cache())     # another run may have measured it meanwhile
+    if key in _CACHE and not (_CACHE[key]["status"] == "vmem_oom" and not _CACHE[key].get("retried")):
         return _CACHE[key]
     w = Workload.of_case(case, list(q_lens), list(kv_lens))
     req = dict(workload=dict(q_lens=list(w.q_lens), kv_lens=list(w.kv_lens), distribution=list(w.distribution)),
@@ -119,8 +123,19 @@ def piece(kernel: str, gen: str, case: Case, bs: BlockSizes, page: int, q_lens, 
                limits=dataclasses.asdict(limits(page)), case=case.value)
     t0 = time.time()
     r = profiler.profile(KERNELS[kernel], req, timeout=1800, rss_cap=RSS_CAP, bundles=True)
+    limit = None
+    vm = r.get("vmem") or {}
+    if r["status"] == "vmem_oom" and vm.get("used_bytes"):
+        # as the tuner does (rpa_tune.evaluators.compile): once more with the scoped VMEM
+        # limit the compiler asked for, up to the chip's capacity
+        limit = raised_vmem_limit(vm["used_bytes"], vm.get("limit_bytes", 0),
+                                  int(tpu_info(gen).vmem_capacity_bytes))
+        if limit:
+            req["options"] = {"vmem_limit_bytes": limit}
+            r = profiler.profile(KERNELS[kernel], req, timeout=1800, rss_cap=RSS_CAP, bundles=True)
     rec = dict(key=key, status=r["status"], cycles=r.get("cycles"), wall_s=time.time() - t0,
-               max_rss_bytes=r.get("max_rss_bytes"), message=(r.get("message") or "")[-300:])
+               max_rss_bytes=r.get("max_rss_bytes"), message=(r.get("message") or "")[-300:],
+               vmem_limit_bytes=limit, retried=True)
     if r["status"] == "ok":
         need = audit.needed(w, MODEL, case)
         if kernel == "public":       # write-back off: its writes are not in the program (module doc)
