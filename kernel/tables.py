@@ -28,10 +28,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import importlib.resources
 import json
 import logging
 import math
 import os
+import stat
 import threading
 from pathlib import Path
 from typing import Any, Iterable
@@ -132,7 +134,7 @@ class Entry:
             missing = [f for f in KEY_FIELDS if f not in kd]
             if missing:
                 raise TableError(f"key misses {missing}")
-            key = TuningKey(**{f: kd[f] for f in KEY_FIELDS})
+            key = TuningKey(**{f: _key_field(f, kd[f]) for f in KEY_FIELDS})
             entry = cls(
                 key=key,
                 block_sizes=_block_sizes(d["block_sizes"], "block_sizes"),
@@ -240,7 +242,10 @@ class Table:
         _atomic_write_bytes(Path(path), self.to_json_text().encode())
 
     @classmethod
-    def from_dict(cls, doc: Any) -> "Table":
+    def from_dict(cls, doc: Any, *, on_bad_entry=None) -> "Table":
+        """The table of a JSON document. A bad entry (or a repeated key) raises
+        ``TableError``, unless ``on_bad_entry(message)`` is given: then that entry alone
+        is dropped and reported (serving keeps every good entry of a file)."""
         if not isinstance(doc, dict):
             raise TableError(f"top level is a {type(doc).__name__}, expected an object")
         version = doc.get("schema_version")
@@ -254,32 +259,26 @@ class Table:
         entries = doc.get("entries")
         if not isinstance(entries, list):
             raise TableError("'entries' is missing or not a list")
-        out = []
-        for i, d in enumerate(entries):
-            try:
-                out.append(Entry.from_dict(d))
-            except TableError as e:
-                raise TableError(f"entry {i}: {e}") from None
         info = doc.get("info") or {}
         if not isinstance(info, dict):
             raise TableError("'info' is not an object")
-        return cls(tuple(out), info, SCHEMA_VERSION)
+        return cls(_entries(entries, Entry.from_dict, on_bad_entry), info, SCHEMA_VERSION)
 
     @classmethod
-    def from_json_text(cls, text: str) -> "Table":
+    def from_json_text(cls, text: str, *, on_bad_entry=None) -> "Table":
         try:
             doc = json.loads(text)
         except json.JSONDecodeError as e:
             raise TableError(f"invalid JSON: {e}") from None
-        return cls.from_dict(doc)
+        return cls.from_dict(doc, on_bad_entry=on_bad_entry)
 
     @classmethod
-    def read_json(cls, path) -> "Table":
+    def read_json(cls, path, *, on_bad_entry=None) -> "Table":
         try:
-            text = Path(path).read_text()
-        except (OSError, UnicodeDecodeError) as e:
+            text = read_regular_file(path).decode()
+        except UnicodeDecodeError as e:
             raise TableError(f"cannot read: {e}") from None
-        return cls.from_json_text(text)
+        return cls.from_json_text(text, on_bad_entry=on_bad_entry)
 
     # -- Parquet (mirror) ---------------------------------------------------------------
     def to_arrow(self):
@@ -301,10 +300,12 @@ class Table:
         _atomic_write_bytes(Path(path), self.to_parquet_bytes())
 
     @classmethod
-    def read_parquet(cls, path) -> "Table":
+    def read_parquet(cls, path, *, on_bad_entry=None) -> "Table":
+        data = read_regular_file(path)
         try:
+            import pyarrow as pa
             import pyarrow.parquet as pq
-            t = pq.read_table(str(path))
+            t = pq.read_table(pa.BufferReader(data))
         except ImportError as e:
             raise TableError(f"pyarrow is needed to read Parquet tables: {e}") from None
         except Exception as e:  # noqa: BLE001 - any reader failure is a table problem
@@ -319,18 +320,56 @@ class Table:
         doc = {"schema_version": meta.get("schema_version"), "info": meta.get("info") or {},
                "entries": []}
         Table.from_dict(doc)  # version checks before touching rows
-        try:
-            entries = tuple(Entry.from_row(r) for r in t.to_pylist())
-        except KeyError as e:
-            raise TableError(f"Parquet table misses column {e.args[0]!r}") from None
-        return cls(entries, doc["info"], SCHEMA_VERSION)
+        missing = [c for c in _arrow_schema().names if c not in t.column_names and c not in PROVENANCE_FIELDS]
+        if missing:
+            raise TableError(f"Parquet table misses columns {missing}")
+        return cls(_entries(t.to_pylist(), Entry.from_row, on_bad_entry), doc["info"], SCHEMA_VERSION)
 
     @classmethod
-    def read(cls, path) -> "Table":
+    def read(cls, path, *, on_bad_entry=None) -> "Table":
         path = Path(path)
         if path.suffix == ".parquet":
-            return cls.read_parquet(path)
-        return cls.read_json(path)
+            return cls.read_parquet(path, on_bad_entry=on_bad_entry)
+        return cls.read_json(path, on_bad_entry=on_bad_entry)
+
+
+def _entries(items, parse, on_bad_entry) -> tuple:
+    """Parse every entry; a bad one (or a repeated key) raises ``TableError`` naming it, or
+    is dropped and reported through ``on_bad_entry`` when given."""
+    out, seen = [], set()
+    for i, item in enumerate(items):
+        try:
+            e = parse(item)
+            if e.key in seen:
+                raise TableError(f"{e.key.id()}: duplicate key (the first entry is kept)")
+        except TableError as err:
+            msg = f"entry {i}: {err}"
+            if on_bad_entry is None:
+                raise TableError(msg) from None
+            on_bad_entry(msg)
+            continue
+        seen.add(e.key)
+        out.append(e)
+    return tuple(out)
+
+
+def read_regular_file(path) -> bytes:
+    """The bytes of ``path`` if it is a regular file (a FIFO, device or directory is
+    refused without blocking: ``O_NONBLOCK`` open, then ``fstat``)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except OSError as e:
+        raise TableError(f"cannot read: {e.strerror or e}") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise TableError("not a regular file (tables are read from regular files only)")
+        os.set_blocking(fd, True)
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            return f.read()
+    except OSError as e:
+        raise TableError(f"cannot read: {e.strerror or e}") from None
+    finally:
+        os.close(fd)
 
 
 def _arrow_schema():
@@ -360,6 +399,24 @@ def _req_float(v, name):
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise TableError(f"{name}={v!r} is not a number")
     return float(v)
+
+
+_KEY_TYPES = {f.name: f.type for f in dataclasses.fields(TuningKey)}
+
+
+def _key_field(name: str, v):
+    """A key field of the declared type (``TuningKey`` coerces; a document must not rely on
+    it: ``"sliding_window": "false"`` would be True)."""
+    want = _KEY_TYPES[name]
+    if want == "bool":
+        return _bool(v, f"key.{name}")
+    if want == "int":
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise TableError(f"key.{name}={v!r} is not an int")
+        return v
+    if not isinstance(v, str):
+        raise TableError(f"key.{name}={v!r} is not a string")
+    return v
 
 
 def _opt_float(v, name):
@@ -531,19 +588,23 @@ class LoadedTables:
 
 
 def shipped_table_dir() -> Path | None:
-    """``tables/`` at the repository root next to the ``kernel`` package (source checkouts
-    and editable installs), else ``kernel/_tables`` (package data)."""
-    here = Path(__file__).resolve().parent
-    for d in (here.parent / "tables", here / "_tables"):
-        if d.is_dir():
-            return d
+    """The shipped tables: package data ``kernel/_tables`` of an installed wheel (read with
+    ``importlib.resources``), else ``tables/`` at the root of the source checkout holding
+    the ``kernel`` package (what people edit; the wheel is built from it, see
+    pyproject.toml)."""
+    data = importlib.resources.files(__package__).joinpath("_tables")
+    if data.is_dir():
+        return Path(str(data))
+    repo = Path(__file__).resolve().parent.parent
+    if (repo / "tables").is_dir() and (repo / "pyproject.toml").is_file():
+        return repo / "tables"
     return None
 
 
 def _table_files(path: Path) -> list[Path]:
     if path.is_dir():
         return sorted(p for p in path.iterdir() if p.suffix == ".json" and p.is_file())
-    return [path]
+    return [path]   # Table.read refuses anything but a regular file
 
 
 def _strict() -> bool:
@@ -616,8 +677,9 @@ def load_tables(paths: Iterable | None = None, *, shipped: bool | None = None,
             files.append((str(src), "missing"))
             continue
         for f in _table_files(src):
+            rejected = []
             try:
-                table = Table.read(f)
+                table = Table.read(f, on_bad_entry=rejected.append)
             except TableError as e:
                 warn(f"rpa table {f}: {e}; ignoring this file (the heuristic applies)")
                 files.append((str(f), f"ignored: {e}"))
@@ -626,9 +688,11 @@ def load_tables(paths: Iterable | None = None, *, shipped: bool | None = None,
                 warn(f"rpa table {f}: unexpected error {type(e).__name__}: {e}; ignoring this file")
                 files.append((str(f), f"ignored: {e}"))
                 continue
+            for msg in rejected:
+                warn(f"rpa table {f}: {msg}; ignoring this entry (the heuristic applies for its key)")
             table = _compat_filter(table, str(f), strict, warn)
             n = index.add(table, str(f))
-            files.append((str(f), f"ok: {n} entries"))
+            files.append((str(f), f"ok: {n} entries" + (f", {len(rejected)} rejected" if rejected else "")))
     return LoadedTables(index, files, warnings_)
 
 

@@ -187,7 +187,7 @@ def sweep(
     results: Path = typer.Option(Path("results"), "--results", help="Results directory (append-only Parquet "
                                  "dataset; created on the first result)."),
     space: Optional[Path] = typer.Option(None, "--space", help="Search-space TOML file (default: the shipped "
-                                         "rpa_tune/search_spaces/<tpu>.toml).", show_default=False),
+                                         "search_spaces/<tpu>.toml).", show_default=False),
     retry: list[str] = typer.Option([], "--retry", help="Evaluate configs recorded with this status again "
                                     "(repeatable), e.g. --retry timeout --retry crash.",
                                     autocompletion=_choices(STATUS_NAMES), metavar="STATUS"),

@@ -1,6 +1,7 @@
 """Search spaces: declarative TOML files of candidate block sizes, legality rules and caps.
 
-A space file (``rpa_tune/search_spaces/<generation>.toml``, or your own via ``--space``)
+A space file (``search_spaces/<generation>.toml`` at the repository root, shipped in the
+wheel as ``rpa_tune/_search_spaces``; or your own via ``--space``)
 looks like::
 
     generation = "v6e"            # optional; "*" or absent: any generation
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import importlib.resources
 import itertools
 import tomllib
 from pathlib import Path
@@ -37,7 +39,16 @@ import numpy as np
 from kernel.config import BlockSizes, Case, CASES, block_size_errors, cdiv, kv_packing, round_up
 from kernel.workload import ModelShape, ServingLimits
 
-SPACE_DIR = Path(__file__).resolve().parent / "search_spaces"
+def _space_dir() -> Path:
+    """Package data ``rpa_tune/_search_spaces`` of an installed wheel (importlib.resources),
+    else ``search_spaces/`` at the root of the source checkout (what people edit)."""
+    data = importlib.resources.files(__package__).joinpath("_search_spaces")
+    if data.is_dir():
+        return Path(str(data))
+    return Path(__file__).resolve().parent.parent / "search_spaces"
+
+
+SPACE_DIR = _space_dir()
 KNOBS = ("bq", "bkv", "cq", "ckv")
 
 EXPRESSION_NAMES = {

@@ -11,13 +11,11 @@ TABLES = Path(__file__).resolve().parent.parent / "tables"
 FILES = sorted(TABLES.glob("*.json")) if TABLES.is_dir() else []
 SAMPLE_PER_FILE = 2          # default suite; `-m slow` compiles every entry
 
-# Until `tables/generate.sh` has produced tables, every test here is skipped with this
-# reason (visible in the `-ra` summary) rather than passing vacuously.
-pytestmark = pytest.mark.skipif(not FILES, reason=f"no tables shipped in {TABLES} yet (run tables/generate.sh)")
-
 
 def test_tables_are_shipped():
-    assert FILES, f"no tables shipped in {TABLES}"
+    """Not skipped when tables are missing: the checkout must ship them (and the kernel
+    must find them in the checkout; tests/test_wheel.py checks an installed wheel)."""
+    assert {p.stem for p in FILES} >= {"v5e", "v6e", "tpu7x"}, f"tables missing in {TABLES}"
     assert kt.shipped_table_dir() == TABLES
 
 
