@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from .config import BlockSizes, Case, TuningKey, block_size_errors
+from .provenance import KERNEL_SOURCE_FILES, kernel_source_hash, libtpu_version  # noqa: F401 (re-exported)
 
 log = logging.getLogger("kernel.tables")
 
@@ -57,9 +58,6 @@ PROVENANCE_FIELDS = ("jax_version", "jaxlib_version", "libtpu_version", "kernel_
                      "date", "search", "budget", "backend", "device_kind", "seed", "config_id",
                      "workload_id")
 _PROV_INT = ("budget", "seed")
-
-# Files whose source determines the compiled kernel (and so the validity of a table entry).
-KERNEL_SOURCE_FILES = ("rpa.py", "api.py", "vmem.py", "config.py")
 
 
 class TableError(ValueError):
@@ -471,34 +469,6 @@ def _atomic_write_bytes(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
-# ------------------------------------------------------------- environment provenance
-@functools.lru_cache(maxsize=None)
-def kernel_source_hash() -> str:
-    """sha256 (16 hex digits) of the kernel sources that determine the compiled kernel
-    (``KERNEL_SOURCE_FILES``). Table entries record the hash they were tuned with."""
-    h = hashlib.sha256()
-    here = Path(__file__).resolve().parent
-    for name in KERNEL_SOURCE_FILES:
-        h.update(name.encode() + b"\0")
-        try:
-            h.update((here / name).read_bytes())
-        except OSError:
-            h.update(b"<missing>")
-        h.update(b"\0")
-    return h.hexdigest()[:16]
-
-
-@functools.lru_cache(maxsize=None)
-def libtpu_version() -> str | None:
-    from importlib import metadata
-    for dist in ("libtpu", "libtpu-nightly"):
-        try:
-            return metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            continue
-    return None
-
-
 # ----------------------------------------------------------------- env block sizes
 @functools.lru_cache(maxsize=64)
 def _parse_env_block_sizes(var: str, raw: str) -> BlockSizes:
@@ -690,9 +660,11 @@ def load_tables(paths: Iterable | None = None, *, shipped: bool | None = None,
                 continue
             for msg in rejected:
                 warn(f"rpa table {f}: {msg}; ignoring this entry (the heuristic applies for its key)")
+            other = sum(1 for e in table.entries if e.provenance.get("kernel_hash") not in (None, kernel_source_hash()))
             table = _compat_filter(table, str(f), strict, warn)
             n = index.add(table, str(f))
-            files.append((str(f), f"ok: {n} entries" + (f", {len(rejected)} rejected" if rejected else "")))
+            files.append((str(f), f"ok: {n} entries" + (f", {len(rejected)} rejected" if rejected else "")
+                          + (f", {other} tuned for another kernel source hash" if other else "")))
     return LoadedTables(index, files, warnings_)
 
 
