@@ -63,7 +63,7 @@ EXPRESSION_NAMES = {
     "q_bytes_per_token": "bytes of Q of all query heads per token (lane-padded)",
     "vmem_capacity": "VMEM bytes per TensorCore (jax tpu_info)",
     "mxu": "MXU column size (128 or 256)",
-    "KiB": "1024", "MiB": "1024**2",
+    "KiB": "1024", "MiB": "1024 * 1024",
 }
 FUNCTIONS = {"min": min, "max": max, "cdiv": cdiv, "round_up": round_up}
 
@@ -74,7 +74,7 @@ class SpaceError(ValueError):
 
 _ALLOWED_NODES = (
     ast.Expression, ast.BoolOp, ast.And, ast.Or, ast.UnaryOp, ast.Not, ast.USub, ast.UAdd,
-    ast.BinOp, ast.Add, ast.Sub, ast.Mult, ast.FloorDiv, ast.Mod, ast.Div, ast.Pow,
+    ast.BinOp, ast.Add, ast.Sub, ast.Mult, ast.FloorDiv, ast.Mod, ast.Div,
     ast.Compare, ast.Eq, ast.NotEq, ast.Lt, ast.LtE, ast.Gt, ast.GtE,
     ast.Name, ast.Load, ast.Constant, ast.Call,
 )
@@ -86,6 +86,7 @@ class Rule:
 
     text: str
     code: object = dataclasses.field(compare=False, repr=False)
+    where: str = dataclasses.field(default="", compare=False, repr=False)
 
     @classmethod
     def parse(cls, text: str, where: str) -> "Rule":
@@ -95,8 +96,10 @@ class Rule:
             raise SpaceError(f"{where}: rule {text!r} is not a valid expression ({e.msg})") from None
         for node in ast.walk(tree):
             if not isinstance(node, _ALLOWED_NODES):
-                raise SpaceError(f"{where}: rule {text!r} uses {type(node).__name__}, which is not "
-                                 "allowed (use arithmetic, comparisons, and/or/not, min/max/cdiv/round_up)")
+                what = "**" if isinstance(node, ast.Pow) else type(node).__name__
+                raise SpaceError(f"{where}: rule {text!r} uses {what}, which is not allowed (allowed: "
+                                 "+ - * / // %, comparisons, and/or/not, min/max/cdiv/round_up, the names "
+                                 "of EXPRESSION_NAMES and numbers)")
             if isinstance(node, ast.Call):
                 if not isinstance(node.func, ast.Name) or node.func.id not in FUNCTIONS or node.keywords:
                     raise SpaceError(f"{where}: rule {text!r} calls something other than "
@@ -106,10 +109,16 @@ class Rule:
                                  f"{', '.join(EXPRESSION_NAMES)}")
             elif isinstance(node, ast.Constant) and not isinstance(node.value, (int, float)):
                 raise SpaceError(f"{where}: rule {text!r} has a non-numeric constant {node.value!r}")
-        return cls(text, compile(tree, where, "eval"))
+        return cls(text, compile(tree, where, "eval"), where)
 
     def holds(self, ns: dict) -> bool:
-        return bool(eval(self.code, {"__builtins__": {}}, {**FUNCTIONS, **ns}))  # noqa: S307 (validated AST)
+        try:
+            return bool(eval(self.code, {"__builtins__": {}}, {**FUNCTIONS, **ns}))  # noqa: S307 (validated AST)
+        except ArithmeticError as e:      # division or modulo by zero (no power: values stay small)
+            used = {n.id: ns[n.id] for n in ast.walk(ast.parse(self.text, mode="eval"))
+                    if isinstance(n, ast.Name) and n.id in ns}
+            raise SpaceError(f"{self.where}: rule {self.text!r} cannot be evaluated ({e}) for "
+                             + ", ".join(f"{k}={v}" for k, v in used.items())) from None
 
 
 @dataclasses.dataclass(frozen=True)
