@@ -161,3 +161,45 @@ def test_doctor_runs_a_trial_of_each_cpu_backend():
     assert r.returncode == 0, r.stdout + r.stderr
     assert "static profiler estimate (" in r.stdout and "cycles)" in r.stdout, r.stdout
     assert "Pallas interpreter matches the reference" in r.stdout, r.stdout
+
+
+def test_multi_bucket_sweep_json_plain_progress_and_show_json(tmp_path):
+    """`--buckets` sweeps one key per token bucket; with stderr not a terminal, progress is
+    plain lines (config n/N, status, best so far); `--json` puts one document on stdout."""
+    res = tmp_path / "results"
+    env = {"RPA_TUNE_EVALUATOR_OVERRIDE": "tune_fakes:make_evaluator", "RPA_TUNE_KERNEL_HASH": "cli-json",
+           "PYTHONPATH": TESTS + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    r = run(["sweep", "--tpu", "v6e", "--case", "decode", "--model", "llama3-70b-tp8", "--backend", "compile",
+             "--search", "grid", "--budget", "100", "--buckets", "128,64", "--results", str(res), "--json"], env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    doc = json.loads(r.stdout)
+    assert [d["key"]["max_num_tokens"] for d in doc] == [64, 128]
+    for d in doc:
+        assert d["evaluated"] == 27 and d["counts"] == {"ok": 27}
+        assert d["best"]["block_sizes"] == [1, 1024, 1, 256]          # tune_fakes' minimum
+    lines = [l for l in r.stderr.splitlines() if "] config " in l]
+    assert sum("config 27/27" in l for l in lines) == 2, r.stderr[-2000:]
+    assert all(" ok " in l and "best (" in l for l in lines)
+    assert "\x1b[" not in r.stderr                                  # no live display codes in a log
+    shown = run(["show", "--results", str(res), "--json"], env=env)
+    assert shown.returncode == 0, shown.stderr
+    groups = json.loads(shown.stdout)
+    assert sorted(g["key"]["max_num_tokens"] for g in groups) == [64, 128]
+    assert all(g["configs"][0]["block_sizes"] == [1, 1024, 1, 256] and g["counts"] == {"ok": 27} for g in groups)
+    none = run(["show", "--results", str(res), "--json", "--tpu", "v5e"], env=env)
+    assert none.returncode == 1 and json.loads(none.stdout) == []
+
+
+def test_doctor_lists_table_files_with_counts_and_kernel_match(tmp_path):
+    from kernel import tables as kt
+    from tables_synth import entry, key, table
+    good = table(entry(key(t=64), (1, 256, 1, 256), kernel_hash=kt.kernel_source_hash()))
+    doc = good.to_dict()
+    doc["entries"].append(dict(doc["entries"][0], key=dict(doc["entries"][0]["key"], sliding_window="no")))
+    (tmp_path / "mine.json").write_text(json.dumps(doc))
+    r = run(["doctor", "--quick"], env={"RPA_TABLE": str(tmp_path / "mine.json"), "RPA_SHIPPED_TABLES": "1"})
+    assert r.returncode == 0, r.stderr
+    out = " ".join(r.stdout.split())
+    assert f"{tmp_path / 'mine.json'}: ok: 1 entries, 1 rejected; all match this kernel" in out
+    for p in sorted((Path(__file__).resolve().parent.parent / "tables").glob("*.json")):
+        assert f"{p}: ok: {len(kt.Table.read(p))} entries" in out
