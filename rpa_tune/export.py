@@ -168,14 +168,9 @@ class KeyReport:
 
 
 def heuristic_for(key: TuningKey) -> BlockSizes:
-    from kernel.api import kv_bytes_per_token
-    from kernel.heuristics import heuristic_block_sizes
-    dims = dict(num_kv_heads=key.num_kv_heads, head_dim=key.head_dim, kv_dtype=key.kv_dtype)
-    return heuristic_block_sizes(
-        Case.parse(key.case), generation=key.generation, num_q_heads=key.num_q_heads,
-        num_kv_heads=key.num_kv_heads, head_dim=key.head_dim, page_size=key.page_size,
-        kv_bytes_per_token=kv_bytes_per_token(dims), max_num_tokens=key.max_num_tokens,
-        max_model_len=key.max_model_len, q_dtype=key.q_dtype, kv_dtype=key.kv_dtype)
+    """The key's baseline (``kernel.heuristics.heuristic_for_key``, as the sweep evaluated it)."""
+    from kernel.heuristics import heuristic_for_key
+    return heuristic_for_key(key)
 
 
 def _row_key(r) -> TuningKey:

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kernel.config import BlockSizes, Case, CASES, block_size_errors, cdiv, kv_packing, round_up
+from kernel.config import BlockSizes, Case, CASES, block_size_errors, cdiv, kv_bytes_per_token, round_up
 from kernel.workload import ModelShape, ServingLimits
 
 def _space_dir() -> Path:
@@ -244,15 +244,13 @@ def context(model: ModelShape, limits: ServingLimits, generation: str) -> dict:
     """The names rules may use, for one problem."""
     from kernel.hardware import tpu_info
     info = tpu_info(generation)
-    pk = kv_packing(model.kv_dtype)
     dp = round_up(model.head_dim, 128)
-    kv_rows = cdiv(2 * model.num_kv_heads, pk)
     return dict(
         page_size=limits.page_size, max_num_tokens=limits.max_num_tokens,
         max_num_seqs=limits.max_num_seqs, max_model_len=limits.max_model_len,
         num_q_heads=model.num_q_heads, num_kv_heads=model.num_kv_heads, group=model.group,
         head_dim=model.head_dim, head_dim_padded=dp,
-        kv_bytes_per_token=kv_rows * pk * dp * np.dtype(model.kv_dtype).itemsize,
+        kv_bytes_per_token=kv_bytes_per_token(model.num_kv_heads, model.head_dim, model.kv_dtype),
         q_bytes_per_token=model.num_q_heads * dp * np.dtype(model.q_dtype).itemsize,
         vmem_capacity=int(info.vmem_capacity_bytes), mxu=int(info.mxu_column_size),
         KiB=1024, MiB=1024 ** 2)
