@@ -10,6 +10,7 @@ import enum
 import math
 from typing import NamedTuple
 
+import ml_dtypes  # noqa: F401  (registers bfloat16 / float8 dtype names with NumPy, without JAX)
 import numpy as np
 
 

@@ -66,6 +66,7 @@ def export_cmd(
     from rpa_tune.export import build_tables, check_tables, merge_tables, read_results, write_tables
     if out.exists() and not out.is_dir():
         fail(f"--out {str(out)!r} exists and is not a directory")
+    logging.getLogger("rpa_tune.store").disabled = True      # damaged files: reported below, once
     try:
         df = read_results(results)
     except (FileNotFoundError, ValueError) as e:
@@ -84,7 +85,8 @@ def export_cmd(
     except TableError as e:
         fail(f"{e}; fix or move the existing table, or pass --replace to overwrite it")
     ambiguous = [r for r in reports if r.entry is not None and r.other_workloads]
-    warnings = [f"{r.key.id()}: results for {1 + len(r.other_workloads)} workloads; used the newest, "
+    warnings = [f"skipped damaged results file {f}: {why}" for f, why in df.attrs.get("damaged", [])]
+    warnings += [f"{r.key.id()}: results for {1 + len(r.other_workloads)} workloads; used the newest, "
                 f"{r.entry.provenance.get('workload_id')} ({r.workload}); others: "
                 + ", ".join(f"{w} ({d})" for w, d in r.other_workloads.items())
                 + "; choose with --workload-id" for r in ambiguous]

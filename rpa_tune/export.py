@@ -62,33 +62,15 @@ OPTIONAL_COLUMNS = ("unit", "samples", "spread", "cycles", "compile_s", "backend
 
 
 # ----------------------------------------------------------------------------- reading
-def result_files(paths: Iterable) -> list[Path]:
-    files = []
-    for p in paths:
-        p = Path(p)
-        if p.is_dir():   # dot-directories (a store's .tmp/) hold unfinished files
-            files.extend(sorted(f for f in p.rglob("*.parquet") if f.is_file()
-                                and not any(part.startswith(".") for part in f.relative_to(p).parts)))
-        elif p.is_file():
-            files.append(p)
-        else:
-            raise FileNotFoundError(f"results path {p} does not exist")
-    return files
-
-
 def read_results(paths: Iterable):
-    """All result rows as a pandas DataFrame (missing optional columns filled with None)."""
-    import pandas as pd
-    import pyarrow.parquet as pq
-    frames = []
-    for f in result_files(paths):
-        try:
-            frames.append(pq.read_table(f).to_pandas())
-        except Exception as e:  # noqa: BLE001
-            raise ValueError(f"cannot read results file {f}: {e}") from None
-    if not frames:
-        return pd.DataFrame(columns=list(REQUIRED_COLUMNS + OPTIONAL_COLUMNS))
-    return normalize_results(pd.concat(frames, ignore_index=True, sort=False))
+    """All result rows as a pandas DataFrame, read by the store's one reader
+    (``rpa_tune.store.read_results_table``); ``df.attrs["damaged"]`` lists the skipped
+    damaged files as ``(file, reason)``."""
+    from .store import read_results_table
+    got = read_results_table(paths)
+    df = normalize_results(got.table.to_pandas())
+    df.attrs["damaged"] = list(got.damaged)
+    return df
 
 
 def normalize_results(df):
@@ -531,12 +513,15 @@ def compact_results(directory, name: str = "results.parquet") -> Path:
     files. Rows are unchanged, so exports and sweep resumption see the same data."""
     import pyarrow as pa
     import pyarrow.parquet as pq
+    from .store import read_results_table
     d = Path(directory)
     files = sorted(p for p in d.glob("*.parquet") if p.is_file())
     if not files:
         raise FileNotFoundError(f"no Parquet files in {d}")
-    tables = [pq.read_table(p) for p in files]
-    t = pa.concat_tables(tables, promote_options="permissive")
+    got = read_results_table(files)
+    bad = {Path(f) for f, _ in got.damaged}
+    files = [p for p in files if p not in bad]       # a damaged file is left in place, never deleted
+    t = got.table
     order = [(c, "ascending") for c in ("key_id", "config_id", "timestamp") if c in t.column_names]
     if order:
         t = t.sort_by(order)
