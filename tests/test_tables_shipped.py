@@ -35,7 +35,7 @@ def test_table_file_loads_and_mirrors(path):
 
 
 def test_shipped_tables_cover_three_generations_cases_and_presets():
-    """What the tables promise (README, "What is shipped"): v5e, v6e and TPU7x, each case,
+    """What the tables promise (docs/tables.md, "What is shipped"): v5e, v6e and TPU7x, each case,
     for the Llama-3-8B shard and two more presets (Llama-3-70B at TP8, Qwen3-32B at TP4),
     at the 2048-token bucket; an entry is written even where the heuristic was kept."""
     keys = {(e.key.generation, e.key.case, e.key.num_q_heads, e.key.num_kv_heads, e.key.max_num_tokens)
