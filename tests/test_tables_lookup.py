@@ -206,7 +206,7 @@ def test_tables_read_once_thread_safe(tmp_path, monkeypatch, isolated_tables):
         time.sleep(0.05)
         return real(*a, **kw)
 
-    monkeypatch.setattr(kt, "load_tables", slow_load)
+    monkeypatch.setattr(kt.state, "load_tables", slow_load)   # what loaded() calls
     out = []
     threads = [threading.Thread(target=lambda t=t: out.append(_resolve(key(t=8 * (t + 1)))))
                for t in range(8)]

@@ -90,7 +90,7 @@ def test_kernel_hash_follows_the_result_inputs_only(tmp_path, monkeypatch):
     from kernel import provenance as kernel_provenance    # where both hashes are defined
     monkeypatch.setattr(kernel_provenance, "KERNEL_DIR", copy)
     h0 = provenance.result_inputs_hash()
-    (copy / "tables.py").write_text((copy / "tables.py").read_text() + "\n# edited\n")
+    (copy / "tables" / "loading.py").write_text((copy / "tables" / "loading.py").read_text() + "\n# edited\n")
     assert provenance.result_inputs_hash() == h0
     for name in ("rpa.py", "analysis.py"):
         (copy / name).write_text((copy / name).read_text() + "\n# edited\n")
