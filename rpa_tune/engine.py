@@ -30,7 +30,7 @@ from kernel.config import BlockSizes, Case, TuningKey, block_size_errors
 from kernel.workload import ModelShape, ServingLimits, Workload
 
 from . import prefilter, provenance
-from .evaluators import base
+from .evaluators import base, evaluator_version
 from .evaluators.base import EvalResult, Task
 from .search import make_search
 from .space import CaseSpace, context, enumerate_space
@@ -393,7 +393,7 @@ def run_sweep(spec: SweepSpec, store: ResultStore, *, events: Events | None = No
     outcome.search_note = search.fallback
     total = min(spec.budget, len(plan.candidates))
     prov = provenance.provenance()
-    ev_version = base.evaluator_version(spec.backend)
+    ev_version = evaluator_version(spec.backend)
     wid = workload_id(spec.workload)
     key_id = spec.key.id()
     recorded = store.recorded()

@@ -116,7 +116,7 @@ def verify_winners(store: ResultStore, *, tpu=None, case=None, top: int = 1, job
     store (backend ``interpret``) and returned. Configs already checked with the current
     kernel are not run again."""
     from .engine import WorkerPool, make_row
-    from .evaluators.base import Task, evaluator_version
+    from .evaluators import Task, evaluator_version
     from .evaluators.interpret import interpret_problem
     from .workloads import workload_id
 
