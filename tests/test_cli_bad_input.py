@@ -105,3 +105,14 @@ def test_one_alias_rule_for_tpu(spelling, tmp_path):
     r = run(["sweep", "--tpu", "v7x", "--dry-run", "--json", "--results", str(tmp_path / "r")], cwd=tmp_path)
     assert r.returncode == 0 and json.loads(r.stdout)["key"]["generation"] == "tpu7x", r.stderr
     assert not (tmp_path / "r").exists()
+
+
+def test_without_the_tune_extra_the_command_says_what_to_install(tmp_path):
+    """A serving install (kernel only) runs `rpa-tune` into one line naming the extra."""
+    code = ("import sys; sys.modules['optuna'] = None; sys.modules['pandas'] = None; "
+            "from rpa_tune.__main__ import main; sys.exit(main())")
+    r = subprocess.run([sys.executable, "-c", code, "sweep", "--tpu", "v6e"], capture_output=True, text=True,
+                       cwd=tmp_path, timeout=120)
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr == ("rpa-tune: error: the tuner needs optuna, pandas (not installed); install the 'tune' "
+                        "extra: pip install 'rpa-tune[tune]'\n")

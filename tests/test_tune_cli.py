@@ -203,3 +203,18 @@ def test_doctor_lists_table_files_with_counts_and_kernel_match(tmp_path):
     assert f"{tmp_path / 'mine.json'}: ok: 1 entries, 1 rejected; all match this kernel" in out
     for p in sorted((Path(__file__).resolve().parent.parent / "tables").glob("*.json")):
         assert f"{p}: ok: {len(kt.Table.read(p))} entries" in out
+
+
+def test_no_wrapping_in_pipes(tmp_path):
+    """Piped output keeps every key on one line (no 80-column folding)."""
+    from tables_synth import entry, key, table
+    keys = [key(t=t, l=131072, hq=64, hkv=8) for t in (64, 128)]
+    table(entry(keys[0], (1, 256, 1, 256))).write_json(tmp_path / "old.json")
+    table(*(entry(k, (1, 512, 1, 512)) for k in keys)).write_json(tmp_path / "new.json")
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+    r = subprocess.run([RPA_TUNE, "diff", str(tmp_path / "old.json"), str(tmp_path / "new.json"), "--fields"],
+                       capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 1, r.stderr
+    for k in keys:
+        assert any(k.id() in line for line in r.stdout.splitlines()), r.stdout
+    assert "1 added, 0 removed, 1 changed (1 -> 2 entries)" in r.stdout.splitlines()[-1]
