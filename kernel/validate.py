@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 
 import numpy as np
-import jax
 
 from .config import BlockSizes, block_size_errors, cdiv, get_kv_cache_shape
 
@@ -26,6 +25,7 @@ def check_values_default() -> bool:
 
 def _concrete(x):
     """A NumPy copy of ``x`` if its value is known now (not a tracer), else None."""
+    import jax      # here, not at import: the CLI reads this module's constants without JAX
     if isinstance(x, jax.core.Tracer):
         return None
     try:

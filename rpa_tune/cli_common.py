@@ -20,10 +20,12 @@ except ImportError:  # pragma: no cover - Typer with Click as a dependency
     from click.exceptions import ClickException
 
 from kernel.config import GENERATIONS, get_generation
+from kernel.validate import SUPPORTED_HEAD_DIMS, SUPPORTED_KV_DTYPES, SUPPORTED_Q_DTYPES
 
+# the kernel's own constants (importing kernel.config / kernel.validate loads no JAX)
 GENERATION_NAMES = tuple(GENERATIONS)      # v4, v5e, v5p, v6e, tpu7x
 TPU_ALIASES = "any case; tpu-/tpu_ prefixes; v7x, 7x = tpu7x; v6 = v6e; v5lite = v5e; device kinds"
-HEAD_DIMS = (64, 128, 256)
+HEAD_DIMS = tuple(SUPPORTED_HEAD_DIMS)
 PREFIX = "rpa-tune: error: "
 
 
@@ -144,14 +146,8 @@ class Status(str, enum.Enum):
     crash = "crash"
 
 
-class QDtype(str, enum.Enum):
-    bfloat16 = "bfloat16"
-    float32 = "float32"
-
-
-class KvDtype(str, enum.Enum):
-    bfloat16 = "bfloat16"
-    float8_e4m3fn = "float8_e4m3fn"
+QDtype = enum.Enum("QDtype", {d: d for d in SUPPORTED_Q_DTYPES}, type=str)
+KvDtype = enum.Enum("KvDtype", {d: d for d in SUPPORTED_KV_DTYPES}, type=str)
 
 
 def value(v):
