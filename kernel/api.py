@@ -13,6 +13,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from . import rpa, tables  # tables reads files only on the first lookup
 from .config import BlockSizes, CASES, Case, block_size_errors, cdiv, round_up
+from .config import kv_bytes_per_token as config_kv_bytes_per_token
 from .hardware import current_generation, tpu_info
 from .heuristics import heuristic_block_sizes
 from .validate import validate_inputs
@@ -93,9 +94,8 @@ def _heuristic_cached(case, generation, num_q_heads, num_kv_heads, head_dim, pag
 
 
 def kv_bytes_per_token(dims: dict) -> int:
-    pk = 4 if dims["kv_dtype"].startswith("float8") else 2
-    kv_rows = cdiv(2 * dims["num_kv_heads"], pk)
-    return kv_rows * pk * round_up(dims["head_dim"], 128) * (4 // pk)
+    """``kernel.config.kv_bytes_per_token`` of a call's dims."""
+    return config_kv_bytes_per_token(dims["num_kv_heads"], dims["head_dim"], dims["kv_dtype"])
 
 
 def ragged_paged_attention(

@@ -10,6 +10,7 @@ import enum
 import math
 from typing import NamedTuple
 
+import ml_dtypes  # noqa: F401  (registers bfloat16 / float8 dtype names with NumPy, without JAX)
 import numpy as np
 
 
@@ -123,6 +124,14 @@ def get_kv_cache_shape(num_pages: int, page_size: int, num_kv_heads: int, head_d
             raise ValueError(f"{name}={v!r} must be a positive int")
     pk = kv_packing(kv_dtype)
     return (int(num_pages), int(page_size), cdiv(2 * num_kv_heads, pk), pk, round_up(head_dim, 128))
+
+
+def kv_bytes_per_token(num_kv_heads: int, head_dim: int, kv_dtype) -> int:
+    """Bytes of one token's K and V, all KV heads, in the cache layout (``get_kv_cache_shape``:
+    combined heads padded to the packing, head_dim to 128 lanes). The one definition used by
+    the heuristic, the search spaces and the tuner."""
+    _, _, rows, pk, dp = get_kv_cache_shape(1, 1, num_kv_heads, head_dim, kv_dtype)
+    return rows * pk * dp * np.dtype(kv_dtype).itemsize
 
 
 # ----------------------------------------------------------------------- generations

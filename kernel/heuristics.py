@@ -19,7 +19,7 @@ VMEM, ``bq`` is halved (prefill/mixed), then ``bkv`` (and ``ckv`` with it).
 """
 from __future__ import annotations
 
-from .config import BlockSizes, Case, cdiv, kv_packing, round_up
+from .config import BlockSizes, Case, TuningKey, cdiv, kv_bytes_per_token, kv_packing, round_up
 from .hardware import tpu_info
 from .vmem import scratch_bytes
 
@@ -36,6 +36,18 @@ def _pow2_ceil(x: int) -> int:
 
 def _page_round(x: int, page_size: int) -> int:
     return max(page_size, round_up(int(x), page_size))
+
+
+def heuristic_for_key(key: TuningKey, *, chunk_prefill_size: int | None = None) -> BlockSizes:
+    """The heuristic's block sizes for a table key: what a kernel call of that shape resolves
+    to when no table entry applies (without ``chunk_prefill_size`` unless given). The one
+    baseline a sweep evaluates and an export compares against."""
+    return heuristic_block_sizes(
+        Case.parse(key.case), generation=key.generation, num_q_heads=key.num_q_heads,
+        num_kv_heads=key.num_kv_heads, head_dim=key.head_dim, page_size=key.page_size,
+        kv_bytes_per_token=kv_bytes_per_token(key.num_kv_heads, key.head_dim, key.kv_dtype),
+        max_num_tokens=key.max_num_tokens, max_model_len=key.max_model_len,
+        chunk_prefill_size=chunk_prefill_size, q_dtype=key.q_dtype, kv_dtype=key.kv_dtype)
 
 
 def heuristic_block_sizes(case: Case, *, generation: str, num_q_heads: int, num_kv_heads: int,

@@ -1,18 +1,31 @@
-"""Input validation that runs before tracing: every error names the value and the rule."""
+"""Input validation that runs before tracing: every error names the value and the rule.
+
+Static validation (shapes, dtypes, options, block sizes) always runs: it reads no array
+data. Dynamic validation of the metadata values (``kv_lens``, ``page_indices``,
+``cu_q_lens``, ``distribution``) copies them to the host, so it is opt-in: ``check_values=True``
+or ``RPA_CHECK_VALUES=1`` (it never applies under ``jit``, where the values are unknown).
+"""
 from __future__ import annotations
 
+import os
+
 import numpy as np
-import jax
 
 from .config import BlockSizes, block_size_errors, cdiv, get_kv_cache_shape
 
 SUPPORTED_Q_DTYPES = ("bfloat16", "float32")
 SUPPORTED_KV_DTYPES = ("bfloat16", "float8_e4m3fn")
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
+ENV_CHECK_VALUES = "RPA_CHECK_VALUES"     # "1": check metadata values on every eager call
+
+
+def check_values_default() -> bool:
+    return os.environ.get(ENV_CHECK_VALUES, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def _concrete(x):
     """A NumPy copy of ``x`` if its value is known now (not a tracer), else None."""
+    import jax      # here, not at import: the CLI reads this module's constants without JAX
     if isinstance(x, jax.core.Tracer):
         return None
     try:
@@ -28,8 +41,9 @@ def _dtype_name(x) -> str:
 def validate_inputs(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens,
                     distribution, *, sliding_window=None, soft_cap=None, sm_scale=1.0,
                     q_scale=None, k_scale=None, v_scale=None, block_sizes=None,
-                    check_values: bool = True) -> dict:
-    """Validate shapes, dtypes, options and (when concrete) metadata values.
+                    check_values: bool | None = None) -> dict:
+    """Validate shapes, dtypes and options; with ``check_values`` (default:
+    ``$RPA_CHECK_VALUES``) also the metadata values when they are concrete.
 
     Returns the derived problem dimensions. Raises ``ValueError`` naming the bad value.
     """
@@ -101,7 +115,7 @@ def validate_inputs(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q
     dims = dict(max_num_tokens=T, num_q_heads=Hq, num_kv_heads=Hkv, head_dim=D, num_pages=num_pages,
                 page_size=page_size, max_num_seqs=S, pages_per_seq=pages_per_seq,
                 kv_dtype=kv_dtype, q_dtype=_dtype_name(queries))
-    if check_values:
+    if check_values if check_values is not None else check_values_default():
         _validate_values(dims, kv_lens, page_indices, cu_q_lens, distribution)
     return dims
 

@@ -12,13 +12,15 @@ from pathlib import Path
 from typing import List, Optional
 
 import typer
-from rich.console import Console
 from rich.table import Table as RichTable
 
-console = Console()
-err_console = Console(stderr=True)
+from .cli_common import (GENERATION_NAMES, TPU_METAVAR, HeadDim, JsonFlag, KvDtypeOpt, KvHeads, MaxModelLen,
+                         MaxNumSeqs, MaxNumTokens, Model, OptionalTpu, PageSize, QDtypeOpt, QHeads, SlidingWindow,
+                         UsageError, fail, parse_cases, parse_int_list, parse_tpu, resolve_limits, resolve_model)
+from .ui import _console
 
-DEFAULT_TABLES = Path(__file__).resolve().parent.parent / "tables"
+console = _console()
+err_console = _console(stderr=True)
 
 
 def _fmt_bs(bs) -> str:
@@ -41,31 +43,81 @@ def _fmt_pct(v) -> str:
 def export_cmd(
     results: List[Path] = typer.Option(..., "--results", "-r", help="Results dataset dir or .parquet file; "
                                        "repeat to merge several sweeps / machines."),
-    out: Path = typer.Option(DEFAULT_TABLES, "--out", "-o", help="Tables directory (<generation>.json + .parquet)."),
+    out: Path = typer.Option(..., "--out", "-o", help="Tables directory (<generation>.json + .parquet); an "
+                             "existing table there is merged with the results (see --replace).",
+                             show_default=False),
+    replace: bool = typer.Option(False, "--replace", help="Write only the entries built from these results, "
+                                 "dropping the existing table's other keys (default: keep them; new results "
+                                 "win per key)."),
     check: bool = typer.Option(False, "--check", help="Do not write; exit 1 with a diff if the tables in --out "
-                               "are stale or missing (for CI)."),
-    generation: List[str] = typer.Option([], "--tpu", help="Only these generations (repeatable)."),
+                               "differ from what would be written (for CI)."),
+    generation: List[str] = typer.Option([], "--tpu", parser=parse_tpu, metavar=TPU_METAVAR,
+                                         help="Only these generations (repeatable)."),
+    workload_id: List[str] = typer.Option([], "--workload-id", help="Only results of these workloads (id or "
+                                          "prefix, repeatable; see the warning when a key has several)."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="One line per key with the decision."),
+    json_out: JsonFlag = False,
 ):
-    """Bake the best `ok` row per key into versioned tables (promoted only if it beats the heuristic)."""
-    from kernel.config import get_generation
-    from rpa_tune.export import build_tables, check_tables, read_results, write_tables
+    """Bake the best `ok` row per key into versioned tables (promoted only if it beats the heuristic).
+
+    An existing table in --out is merged: the new results win per key, its other entries are
+    kept (--replace drops them); the summary says what was added, changed and kept."""
+    from kernel.tables import TableError
+    from rpa_tune.export import build_tables, check_tables, merge_tables, read_results, write_tables
+    if out.exists() and not out.is_dir():
+        fail(f"--out {str(out)!r} exists and is not a directory")
+    logging.getLogger("rpa_tune.store").disabled = True      # damaged files: reported below, once
     try:
         df = read_results(results)
     except (FileNotFoundError, ValueError) as e:
-        err_console.print(f"[red]error:[/red] {e}")
-        raise typer.Exit(2)
+        fail(str(e))
     if len(df) == 0:
-        err_console.print(f"[red]error:[/red] no result rows in {', '.join(map(str, results))}")
-        raise typer.Exit(2)
+        fail(f"no result rows in {', '.join(map(str, results))}")
     if generation:
-        gens = {get_generation(g).name for g in generation}
-        df = df[[get_generation(g).name in gens if g else False for g in df["generation"]]]
-    tables, reports = build_tables(df)
+        df = df[df["generation"].isin(set(generation))]
+    tables, reports = build_tables(df, workload_ids=tuple(workload_id))
+    if not tables:
+        fail(f"no usable result rows for {', '.join(generation) or 'any generation'}"
+             + (f" and workload {', '.join(workload_id)}" if workload_id else "")
+             + f" in {', '.join(map(str, results))}", code=1)
+    try:
+        merged, merges = merge_tables(tables, out, replace=replace)
+    except TableError as e:
+        fail(f"{e}; fix or move the existing table, or pass --replace to overwrite it")
+    ambiguous = [r for r in reports if r.entry is not None and r.other_workloads]
+    warnings = [f"skipped damaged results file {f}: {why}" for f, why in df.attrs.get("damaged", [])]
+    warnings += [f"{r.key.id()}: results for {1 + len(r.other_workloads)} workloads; used the newest, "
+                f"{r.entry.provenance.get('workload_id')} ({r.workload}); others: "
+                + ", ".join(f"{w} ({d})" for w, d in r.other_workloads.items())
+                + "; choose with --workload-id" for r in ambiguous]
     promoted = sum(1 for r in reports if r.entry is not None and r.entry.promoted)
     kept = sum(1 for r in reports if r.entry is not None and not r.entry.promoted)
     skipped = [r for r in reports if r.entry is None]
-    if verbose or check is False:
+    summary = (f"export: {len(df)} result rows -> {len(tables)} table(s): {promoted} promoted, "
+               f"{kept} kept the heuristic, {len(skipped)} keys without a usable result")
+    problems = check_tables(merged, out) if check else []
+    written = [] if check else write_tables(merged, out)
+    if json_out:
+        from .ui import print_json
+        print_json(dict(
+            out=str(out), check=check, up_to_date=(not problems) if check else None,
+            written=[str(p) for p in written], warnings=warnings,
+            problems=[dict(file=p.file, problem=p.problem) for p in problems],
+            tables={g: dict(entries=len(merged[g]), added=[k.id() for k in m.added],
+                            changed=[k.id() for k in m.changed], unchanged=[k.id() for k in m.unchanged],
+                            kept=[k.id() for k in m.kept], dropped=[k.id() for k in m.dropped])
+                    for g, m in merges.items()},
+            keys=[dict(key=r.key.id(), promoted=r.entry.promoted, decision=r.entry.decision,
+                       block_sizes=list(r.entry.block_sizes), metric=r.entry.metric,
+                       heuristic_metric=r.entry.heuristic_metric, gain=r.entry.gain,
+                       workload_id=r.entry.provenance.get("workload_id"))
+                  if r.entry is not None else dict(key=r.key.id() if r.key else None, promoted=False,
+                                                   decision=r.note)
+                  for r in reports]))
+        if problems:
+            raise typer.Exit(1)
+        return
+    if verbose or not check:
         t = RichTable(title="export")
         for c in ("key", "best (bq, bkv, cq, ckv)", "metric", "heuristic", "gain", "decision"):
             t.add_column(c, overflow="fold")
@@ -80,10 +132,12 @@ def export_cmd(
                           _fmt_pct(e.gain), e.decision)
         if t.row_count:
             console.print(t)
-    console.print(f"export: {len(df)} result rows -> {len(tables)} table(s): {promoted} promoted, "
-                  f"{kept} kept the heuristic, {len(skipped)} keys without a usable result", soft_wrap=True)
+    for w in warnings:
+        err_console.print(f"[yellow]warning:[/yellow] {w}", soft_wrap=True, markup=True, highlight=False)
+    console.print(summary, soft_wrap=True)
+    for m in merges.values():
+        console.print(("would be " if check else "") + m.summary(), soft_wrap=True)
     if check:
-        problems = check_tables(tables, out)
         others = sorted(p.name for p in Path(out).glob("*.json") if p.stem not in tables) if Path(out).is_dir() else []
         if others:
             console.print(f"note: {', '.join(others)} in {out} have no rows in these results (not checked)")
@@ -97,9 +151,8 @@ def export_cmd(
             raise typer.Exit(1)
         console.print(f"[green]tables in {out} are up to date[/green] ({', '.join(f'{g}.json' for g in tables)})")
         return
-    written = write_tables(tables, out)
     for p in written:
-        console.print(f"wrote {p}")
+        console.print(f"wrote {p}", soft_wrap=True)
 
 
 # -------------------------------------------------------------------------------- diff
@@ -107,99 +160,103 @@ def diff_cmd(
     old: Path = typer.Argument(..., help="Old table file or directory."),
     new: Path = typer.Argument(..., help="New table file or directory."),
     fields: bool = typer.Option(False, "--fields", help="List the changed fields of changed entries."),
+    json_out: JsonFlag = False,
 ):
-    """Entries added, removed and changed between two tables, with the metric change."""
+    """Entries added, removed and changed between two tables, with the metric change.
+
+    Exit code 0: no difference; 1: entries were added, removed or changed; 2: bad input."""
     from kernel.tables import TableError
     from rpa_tune.export import changed_fields, diff_tables, load_table_path
     try:
         a, b = load_table_path(old), load_table_path(new)
     except (TableError, OSError) as e:
-        err_console.print(f"[red]error:[/red] {e}")
-        raise typer.Exit(2)
+        fail(str(e))
     rows = diff_tables(a, b)
     counts = {k: sum(1 for r in rows if r.change == k) for k in ("added", "removed", "changed")}
     summary = (f"{counts['added']} added, {counts['removed']} removed, {counts['changed']} changed "
                f"({len(a)} -> {len(b)} entries)")
-    t = RichTable(title=f"{old} -> {new}")
-    for c in ("change", "key", "block sizes", "promoted", "metric old", "metric new", "metric change"):
-        t.add_column(c, overflow="fold")
-    if fields:
-        t.add_column("changed fields", overflow="fold")
-    style = {"added": "green", "removed": "red", "changed": "yellow"}
-    for r in rows:
-        o, n = r.old, r.new
-        bs = (_fmt_bs(n.block_sizes) if o is None else _fmt_bs(o.block_sizes) if n is None
-              else _fmt_bs(o.block_sizes) if o.block_sizes == n.block_sizes
-              else f"{_fmt_bs(o.block_sizes)} -> {_fmt_bs(n.block_sizes)}")
-        pr = (str(n.promoted) if o is None else str(o.promoted) if n is None
-              else str(o.promoted) if o.promoted == n.promoted else f"{o.promoted} -> {n.promoted}")
-        cells = [f"[{style[r.change]}]{r.change}[/]", r.key.id(), bs, pr,
-                 _fmt_s(o.metric if o else None), _fmt_s(n.metric if n else None), _fmt_pct(r.metric_change)]
+    if json_out:
+        from .ui import print_json
+        print_json(dict(old=str(old), new=str(new), counts=counts, old_entries=len(a), new_entries=len(b),
+                        rows=[dict(change=r.change, key=r.key.id(), metric_change=r.metric_change,
+                                   old=r.old.to_dict() if r.old else None, new=r.new.to_dict() if r.new else None,
+                                   changed_fields=changed_fields(r.old, r.new) if (r.old and r.new) else [])
+                              for r in rows]))
+    else:
+        t = RichTable(title=f"{old} -> {new}")
+        for c in ("change", "key", "block sizes", "promoted", "metric old", "metric new", "metric change"):
+            t.add_column(c, overflow="fold")
         if fields:
-            cells.append(", ".join(changed_fields(o, n)) if (o and n) else "")
-        t.add_row(*cells)
+            t.add_column("changed fields", overflow="fold")
+        style = {"added": "green", "removed": "red", "changed": "yellow"}
+        for r in rows:
+            o, n = r.old, r.new
+            bs = (_fmt_bs(n.block_sizes) if o is None else _fmt_bs(o.block_sizes) if n is None
+                  else _fmt_bs(o.block_sizes) if o.block_sizes == n.block_sizes
+                  else f"{_fmt_bs(o.block_sizes)} -> {_fmt_bs(n.block_sizes)}")
+            pr = (str(n.promoted) if o is None else str(o.promoted) if n is None
+                  else str(o.promoted) if o.promoted == n.promoted else f"{o.promoted} -> {n.promoted}")
+            cells = [f"[{style[r.change]}]{r.change}[/]", r.key.id(), bs, pr,
+                     _fmt_s(o.metric if o else None), _fmt_s(n.metric if n else None), _fmt_pct(r.metric_change)]
+            if fields:
+                cells.append(", ".join(changed_fields(o, n)) if (o and n) else "")
+            t.add_row(*cells)
+        if rows:
+            console.print(t)
+        console.print(summary, soft_wrap=True)
     if rows:
-        console.print(t)
-    console.print(summary, soft_wrap=True)
+        raise typer.Exit(1)
 
 
 # -------------------------------------------------------------------------- precompile
-def _model_shape(model: str | None, num_q_heads, num_kv_heads, head_dim, q_dtype, kv_dtype):
-    """A per-shard ``ModelShape`` from a preset (``rpa_tune.presets``) or explicit heads."""
-    from kernel.workload import ModelShape
-    if model is None:
-        if None in (num_q_heads, num_kv_heads, head_dim):
-            raise typer.BadParameter("give --model PRESET or all of --q-heads/--kv-heads/--head-dim")
-        return ModelShape(num_q_heads, num_kv_heads, head_dim, q_dtype or "bfloat16", kv_dtype or "bfloat16")
-    from rpa_tune.presets import get_preset
-    try:
-        return get_preset(model).model(q_dtype=q_dtype, kv_dtype=kv_dtype)
-    except ValueError as e:
-        raise typer.BadParameter(str(e)) from None
-
-
-def _int_list(text: str | None) -> list[int] | None:
-    if not text:
-        return None
-    try:
-        return [int(x) for x in text.replace(" ", "").split(",") if x]
-    except ValueError:
-        raise typer.BadParameter(f"{text!r} is not a comma-separated list of ints") from None
-
-
 def precompile_cmd(
-    tpu: Optional[str] = typer.Option(None, "--tpu", help="TPU generation to compile for deviceless "
-                                      "(v4, v5e, v5p, v6e, tpu7x); default: the local TPU."),
-    model: Optional[str] = typer.Option(None, "--model", "-m", help="Model preset (per-shard attention "
-                                        "shape, rpa_tune.presets), e.g. llama3-8b, llama3-70b-tp8."),
-    num_q_heads: Optional[int] = typer.Option(None, "--q-heads", help="Query heads per shard (instead of --model)."),
-    num_kv_heads: Optional[int] = typer.Option(None, "--kv-heads", help="KV heads per shard."),
-    head_dim: Optional[int] = typer.Option(None, "--head-dim", help="Head dimension: 64, 128 or 256."),
-    q_dtype: Optional[str] = typer.Option(None, "--dtype", help="Query dtype (default: the preset's)."),
-    kv_dtype: Optional[str] = typer.Option(None, "--kv-dtype", help="KV-cache dtype, e.g. float8_e4m3fn."),
-    max_num_tokens: int = typer.Option(2048, "--max-num-tokens", help="Largest token bucket."),
+    tpu: OptionalTpu = None,
+    model: Model = "llama3-8b",
+    num_q_heads: QHeads = None,
+    num_kv_heads: KvHeads = None,
+    head_dim: HeadDim = None,
+    q_dtype: QDtypeOpt = None,
+    kv_dtype: KvDtypeOpt = None,
+    max_num_tokens: MaxNumTokens = 2048,
     buckets: Optional[str] = typer.Option(None, "--buckets", help="Comma-separated token buckets "
                                           "(default: powers of two from 16 to --max-num-tokens)."),
-    max_num_seqs: int = typer.Option(128, "--max-num-seqs"),
-    max_model_len: int = typer.Option(8192, "--max-model-len"),
-    page_size: int = typer.Option(128, "--page-size"),
-    num_pages: Optional[int] = typer.Option(None, "--num-pages", help="KV-cache pages (default: "
+    max_num_seqs: MaxNumSeqs = 128,
+    max_model_len: MaxModelLen = 8192,
+    page_size: PageSize = 128,
+    num_pages: Optional[int] = typer.Option(None, "--num-pages", min=1, help="KV-cache pages (default: "
                                             "max_num_seqs * ceil(max_model_len / page_size))."),
-    cases: str = typer.Option("decode,prefill,mixed", "--cases"),
+    cases: str = typer.Option("decode,prefill,mixed", "--cases", help="Comma-separated cases in the "
+                              "executable: decode, prefill, mixed."),
     per_case: bool = typer.Option(False, "--per-case", help="One executable per case x bucket."),
-    sliding_window: Optional[int] = typer.Option(None, "--sliding-window"),
+    sliding_window: SlidingWindow = None,
     sm_scale: Optional[float] = typer.Option(None, "--sm-scale", help="Default 1/sqrt(head_dim)."),
     cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", help="JAX persistent compilation cache "
                                              "(default: $JAX_COMPILATION_CACHE_DIR if set)."),
     table: Optional[str] = typer.Option(None, "--table", help="Table file/dir to use (sets RPA_TABLE)."),
     verify_tables: Optional[Path] = typer.Option(None, "--verify-tables", help="Instead: compile the "
                                                  "entries of these tables (file or dir) deviceless."),
-    sample: Optional[int] = typer.Option(None, "--sample", help="With --verify-tables: at most N entries "
-                                         "(evenly spaced, deterministic)."),
-    json_out: Optional[Path] = typer.Option(None, "--json", help="Write the report as JSON."),
+    sample: Optional[int] = typer.Option(None, "--sample", min=0, help="With --verify-tables: at most N "
+                                         "entries (evenly spaced, deterministic)."),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Write the report as JSON to this file."),
     progress: Optional[bool] = typer.Option(None, "--progress/--no-progress"),
 ):
     """Compile every case x token-bucket variant a server needs (or every table entry) before serving."""
+    if json_out is not None and json_out.is_dir():
+        fail(f"--json {str(json_out)!r} is a directory; give a file path")
+    if verify_tables is None:
+        try:
+            shape, _ = resolve_model(model, num_q_heads, num_kv_heads, head_dim, q_dtype, kv_dtype)
+            limits = resolve_limits(page_size, max_num_tokens, max_num_seqs, max_model_len)
+            token_buckets = parse_int_list("--buckets", buckets)
+            case_list = parse_cases(cases)
+        except UsageError as e:
+            fail(str(e))
+        if tpu is None:
+            import jax
+            platform = jax.devices()[0].platform
+            if platform != "tpu":
+                fail(f"no local TPU (the default device is {platform}); pass --tpu "
+                     f"{'|'.join(GENERATION_NAMES)} to compile deviceless")
     from kernel.analysis import quiet_libtpu
     quiet_libtpu()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s",
@@ -211,7 +268,7 @@ def precompile_cmd(
     ktables.reset()
     if verify_tables is not None:
         t = _load_for_verify(verify_tables)
-        entries = [e for e in t.entries if tpu is None or e.key.generation == kernel.get_generation(tpu).name]
+        entries = [e for e in t.entries if tpu is None or e.key.generation == tpu]
         entries = sample_entries(entries, sample)
         results = bringup.verify_entries(entries, progress=progress, cache_dir=cache_dir)
         rt = RichTable(title=f"verify {verify_tables}: {len(results)} entries compiled deviceless")
@@ -222,22 +279,21 @@ def precompile_cmd(
                        f"{v.seconds:.2f}")
         console.print(rt)
         if json_out:
-            json_out.write_text(json.dumps([{"key": e.key.id(), "status": v.status, "seconds": v.seconds,
-                                             "error": v.error} for e, v in results], indent=2) + "\n")
+            _write_text(json_out, json.dumps([{"key": e.key.id(), "status": v.status, "seconds": v.seconds,
+                                               "error": v.error} for e, v in results], indent=2) + "\n")
         if any(v.status == "error" for _, v in results):
             raise typer.Exit(1)
         return
-    from kernel.workload import ServingLimits
-    shape = _model_shape(model, num_q_heads, num_kv_heads, head_dim, q_dtype, kv_dtype)
-    limits = ServingLimits(page_size=page_size, max_num_tokens=max_num_tokens, max_num_seqs=max_num_seqs,
-                           max_model_len=max_model_len)
     attn = {"sm_scale": sm_scale if sm_scale is not None else shape.head_dim ** -0.5}
     if sliding_window is not None:
         attn["sliding_window"] = sliding_window
-    console.print(f"model {shape}  limits {limits}  tpu {tpu or 'local'}")
-    report = kernel.precompile(shape, limits, token_buckets=_int_list(buckets), num_pages=num_pages, tpu=tpu,
-                               cases=[c for c in cases.split(",") if c], per_case=per_case,
-                               cache_dir=cache_dir, progress=progress, **attn)
+    console.print(f"model {shape}  limits {limits}  tpu {tpu or 'local'}", soft_wrap=True)
+    try:
+        report = kernel.precompile(shape, limits, token_buckets=token_buckets, num_pages=num_pages, tpu=tpu,
+                                   cases=case_list, per_case=per_case, cache_dir=cache_dir, progress=progress,
+                                   **attn)
+    except ValueError as e:     # an input the kernel refuses (checked before any compile)
+        fail(str(e))
     rt = RichTable(title=report.summary())
     for c in ("bucket", "cases", "block sizes [source]", "status", "lower s", "compile s"):
         rt.add_column(c, overflow="fold")
@@ -247,9 +303,17 @@ def precompile_cmd(
                    v.status + (f": {v.error[:300]}" if v.error else ""), f"{v.lower_s:.2f}", f"{v.compile_s:.2f}")
     console.print(rt)
     if json_out:
-        json_out.write_text(json.dumps(report.as_dict(), indent=2) + "\n")
+        _write_text(json_out, json.dumps(report.as_dict(), indent=2) + "\n")
     if not report.ok:
         raise typer.Exit(1)
+
+
+def _write_text(path: Path, text: str) -> None:
+    """Atomic write (a temporary file renamed into place): never a half-written report."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 def _load_for_verify(path: Path):
@@ -258,8 +322,7 @@ def _load_for_verify(path: Path):
     try:
         return load_table_path(path)
     except (TableError, OSError) as e:
-        err_console.print(f"[red]error:[/red] {e}")
-        raise typer.Exit(2)
+        fail(str(e))
 
 
 def sample_entries(entries: list, n: int | None) -> list:

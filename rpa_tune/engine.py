@@ -30,7 +30,7 @@ from kernel.config import BlockSizes, Case, TuningKey, block_size_errors
 from kernel.workload import ModelShape, ServingLimits, Workload
 
 from . import prefilter, provenance
-from .evaluators import base
+from .evaluators import base, evaluator_version
 from .evaluators.base import EvalResult, Task
 from .search import make_search
 from .space import CaseSpace, context, enumerate_space
@@ -260,11 +260,15 @@ class WorkerPool:
 
 
 # ============================================================================= sweeps
-def problem_key(tpu: str, case: Case | str, model: ModelShape, limits: ServingLimits) -> TuningKey:
-    """The ``TuningKey`` a sweep of ``model`` under ``limits`` records its rows under."""
-    return TuningKey(tpu, Case.parse(case).value, model.q_dtype, model.kv_dtype, model.num_q_heads,
-                     model.num_kv_heads, model.head_dim, limits.page_size, limits.max_num_tokens,
-                     limits.max_model_len)
+def problem_key(tpu: str, case: Case | str, model: ModelShape, limits: ServingLimits, *,
+                sliding_window: bool = False) -> TuningKey:
+    """The ``TuningKey`` a sweep of ``model`` under ``limits`` records its rows under: the
+    key a kernel call of that shape looks up (``kernel.tables.key_for``, the one builder)."""
+    from kernel.tables import key_for
+    dims = dict(q_dtype=model.q_dtype, kv_dtype=model.kv_dtype, num_q_heads=model.num_q_heads,
+                num_kv_heads=model.num_kv_heads, head_dim=model.head_dim, page_size=limits.page_size,
+                max_num_tokens=limits.max_num_tokens, pages_per_seq=limits.pages_per_seq)
+    return key_for(case, generation=tpu, dims=dims, sliding_window=sliding_window)
 
 
 @dataclasses.dataclass
@@ -312,20 +316,11 @@ class Plan:
 
 
 def heuristic_config(spec: SweepSpec) -> BlockSizes | None:
-    """The kernel's default block sizes for this key (``kernel.heuristics``)."""
-    from kernel.heuristics import heuristic_block_sizes
-    from kernel.config import kv_packing, cdiv, round_up
-    import numpy as np
-    m, lim = spec.model, spec.limits
-    pk = kv_packing(m.kv_dtype)
-    kv_bytes = cdiv(2 * m.num_kv_heads, pk) * pk * round_up(m.head_dim, 128) * np.dtype(m.kv_dtype).itemsize
-    chunk = max(spec.workload.q_lens) if spec.case == Case.PREFILL else None
+    """The key's baseline: what the kernel runs for it without a table entry
+    (``kernel.heuristics.heuristic_for_key``; export compares against the same)."""
+    from kernel.heuristics import heuristic_for_key
     try:
-        return heuristic_block_sizes(spec.case, generation=spec.generation, num_q_heads=m.num_q_heads,
-                                     num_kv_heads=m.num_kv_heads, head_dim=m.head_dim, page_size=lim.page_size,
-                                     kv_bytes_per_token=kv_bytes, max_num_tokens=lim.max_num_tokens,
-                                     max_model_len=lim.max_model_len, chunk_prefill_size=chunk,
-                                     q_dtype=m.q_dtype, kv_dtype=m.kv_dtype)
+        return heuristic_for_key(spec.key)
     except Exception:  # noqa: BLE001 - a baseline is optional
         return None
 
@@ -398,7 +393,7 @@ def run_sweep(spec: SweepSpec, store: ResultStore, *, events: Events | None = No
     outcome.search_note = search.fallback
     total = min(spec.budget, len(plan.candidates))
     prov = provenance.provenance()
-    ev_version = base.evaluator_version(spec.backend)
+    ev_version = evaluator_version(spec.backend)
     wid = workload_id(spec.workload)
     key_id = spec.key.id()
     recorded = store.recorded()

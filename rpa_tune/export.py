@@ -58,37 +58,19 @@ REQUIRED_COLUMNS = KEY_COLUMNS + ("bq", "bkv", "cq", "ckv", "status", "metric", 
 OPTIONAL_COLUMNS = ("unit", "samples", "spread", "cycles", "compile_s", "backend", "search", "seed",
                     "jax_version", "jaxlib_version", "libtpu_version", "device_kind", "kernel_hash",
                     "git_sha", "timestamp", "config_id", "workload_id", "key_id", "kernel_source_hash",
-                    "vmem_limit_bytes", "is_heuristic")
+                    "vmem_limit_bytes", "is_heuristic", "workload")
 
 
 # ----------------------------------------------------------------------------- reading
-def result_files(paths: Iterable) -> list[Path]:
-    files = []
-    for p in paths:
-        p = Path(p)
-        if p.is_dir():   # dot-directories (a store's .tmp/) hold unfinished files
-            files.extend(sorted(f for f in p.rglob("*.parquet") if f.is_file()
-                                and not any(part.startswith(".") for part in f.relative_to(p).parts)))
-        elif p.is_file():
-            files.append(p)
-        else:
-            raise FileNotFoundError(f"results path {p} does not exist")
-    return files
-
-
 def read_results(paths: Iterable):
-    """All result rows as a pandas DataFrame (missing optional columns filled with None)."""
-    import pandas as pd
-    import pyarrow.parquet as pq
-    frames = []
-    for f in result_files(paths):
-        try:
-            frames.append(pq.read_table(f).to_pandas())
-        except Exception as e:  # noqa: BLE001
-            raise ValueError(f"cannot read results file {f}: {e}") from None
-    if not frames:
-        return pd.DataFrame(columns=list(REQUIRED_COLUMNS + OPTIONAL_COLUMNS))
-    return normalize_results(pd.concat(frames, ignore_index=True, sort=False))
+    """All result rows as a pandas DataFrame, read by the store's one reader
+    (``rpa_tune.store.read_results_table``); ``df.attrs["damaged"]`` lists the skipped
+    damaged files as ``(file, reason)``."""
+    from .store import read_results_table
+    got = read_results_table(paths)
+    df = normalize_results(got.table.to_pandas())
+    df.attrs["damaged"] = list(got.damaged)
+    return df
 
 
 def normalize_results(df):
@@ -162,17 +144,15 @@ class KeyReport:
     key: TuningKey
     entry: Entry | None
     note: str
+    # results of this key for other workloads than the one used (workload_id -> description)
+    other_workloads: dict = dataclasses.field(default_factory=dict)
+    workload: str = ""           # description of the workload used
 
 
 def heuristic_for(key: TuningKey) -> BlockSizes:
-    from kernel.api import kv_bytes_per_token
-    from kernel.heuristics import heuristic_block_sizes
-    dims = dict(num_kv_heads=key.num_kv_heads, head_dim=key.head_dim, kv_dtype=key.kv_dtype)
-    return heuristic_block_sizes(
-        Case.parse(key.case), generation=key.generation, num_q_heads=key.num_q_heads,
-        num_kv_heads=key.num_kv_heads, head_dim=key.head_dim, page_size=key.page_size,
-        kv_bytes_per_token=kv_bytes_per_token(dims), max_num_tokens=key.max_num_tokens,
-        max_model_len=key.max_model_len, q_dtype=key.q_dtype, kv_dtype=key.kv_dtype)
+    """The key's baseline (``kernel.heuristics.heuristic_for_key``, as the sweep evaluated it)."""
+    from kernel.heuristics import heuristic_for_key
+    return heuristic_for_key(key)
 
 
 def _row_key(r) -> TuningKey:
@@ -237,6 +217,8 @@ def select_key(key: TuningKey, rows: list[dict]) -> KeyReport:
         return (method == "measured", latest, nconf, khash, wid)
 
     (method, khash, wid), grows = max(groups.items(), key=group_rank)
+    others = {w: _str(rs[0].get("workload")) or "" for (m, kh, w), rs in sorted(groups.items())
+              if m == method and kh == khash and w != wid}
     stats = _aggregate(grows)
     cands = {bs: s for bs, s in stats.items() if bs not in disq}
     if not cands:
@@ -297,7 +279,7 @@ def select_key(key: TuningKey, rows: list[dict]) -> KeyReport:
                   margin=round(margin, 6), samples=int(best.samples), spread=spread,
                   vmem_limit_bytes=vmem_limit, provenance=prov)
     entry.check()
-    return KeyReport(key, entry, decision)
+    return KeyReport(key, entry, decision, others, _str(rep.get("workload")) or "")
 
 
 def _entry_vmem_limit(key: TuningKey, bs: BlockSizes, evaluated: int | None) -> int | None:
@@ -313,11 +295,17 @@ def _entry_vmem_limit(key: TuningKey, bs: BlockSizes, evaluated: int | None) -> 
     return None if evaluated == default else int(evaluated)
 
 
-def build_tables(df) -> tuple[dict[str, Table], list[KeyReport]]:
-    """Tables per generation from a results DataFrame, and a report per key."""
+def build_tables(df, *, workload_ids=()) -> tuple[dict[str, Table], list[KeyReport]]:
+    """Tables per generation from a results DataFrame, and a report per key.
+
+    ``workload_ids``: only rows whose ``workload_id`` starts with one of them (a key tuned on
+    several workloads otherwise uses the newest, and its report lists the others)."""
     by_key: dict[TuningKey, list] = {}
     bad = 0
-    for r in df.to_dict("records"):
+    records = df.to_dict("records")
+    if workload_ids:
+        records = [r for r in records if any(str(r.get("workload_id") or "").startswith(w) for w in workload_ids)]
+    for r in records:
         try:
             k = _row_key(r)
             _row_bs(r)
@@ -349,6 +337,52 @@ def table_info(generation: str) -> dict:
         },
         "schema_version": SCHEMA_VERSION,
     }
+
+
+# ---------------------------------------------------------------------------- merging
+@dataclasses.dataclass
+class MergeReport:
+    """What writing one generation's table does to the file already in ``--out``."""
+
+    generation: str
+    added: list = dataclasses.field(default_factory=list)       # keys new to the file
+    changed: list = dataclasses.field(default_factory=list)     # keys whose entry the results replace
+    unchanged: list = dataclasses.field(default_factory=list)   # keys the results reproduce
+    kept: list = dataclasses.field(default_factory=list)        # keys in the file, not in the results
+    dropped: list = dataclasses.field(default_factory=list)     # kept keys removed by --replace
+
+    def summary(self) -> str:
+        s = (f"{self.generation}: {len(self.added)} added, {len(self.changed)} changed, "
+             f"{len(self.unchanged)} unchanged, {len(self.kept)} kept from the existing table")
+        return s + (f", {len(self.dropped)} dropped (--replace)" if self.dropped else "")
+
+
+def merge_tables(tables: dict[str, Table], out_dir, *, replace: bool = False
+                 ) -> tuple[dict[str, Table], dict[str, MergeReport]]:
+    """The tables to write to ``out_dir``: each existing ``<generation>.json`` merged with
+    the new entries (the new entry wins per key; entries of keys without results are kept),
+    or, with ``replace``, the new entries only (the dropped keys are reported). An existing
+    table that cannot be read raises ``TableError`` (it is never overwritten silently)."""
+    out_dir = Path(out_dir)
+    merged, reports = {}, {}
+    for g, new in tables.items():
+        path = out_dir / f"{g}.json"
+        old = Table.read(path) if path.exists() else Table()
+        o, n = old.by_key(), new.by_key()
+        rep = MergeReport(g)
+        for k in sorted(set(o) | set(n)):
+            if k not in n:
+                (rep.dropped if replace else rep.kept).append(k)
+            elif k not in o:
+                rep.added.append(k)
+            elif o[k] == n[k]:
+                rep.unchanged.append(k)
+            else:
+                rep.changed.append(k)
+        entries = dict(n) if replace else {**o, **n}
+        merged[g] = Table(tuple(entries.values()), info=new.info)
+        reports[g] = rep
+    return merged, reports
 
 
 # ------------------------------------------------------------------------ write / check
@@ -479,12 +513,15 @@ def compact_results(directory, name: str = "results.parquet") -> Path:
     files. Rows are unchanged, so exports and sweep resumption see the same data."""
     import pyarrow as pa
     import pyarrow.parquet as pq
+    from .store import read_results_table
     d = Path(directory)
     files = sorted(p for p in d.glob("*.parquet") if p.is_file())
     if not files:
         raise FileNotFoundError(f"no Parquet files in {d}")
-    tables = [pq.read_table(p) for p in files]
-    t = pa.concat_tables(tables, promote_options="permissive")
+    got = read_results_table(files)
+    bad = {Path(f) for f, _ in got.damaged}
+    files = [p for p in files if p not in bad]       # a damaged file is left in place, never deleted
+    t = got.table
     order = [(c, "ascending") for c in ("key_id", "config_id", "timestamp") if c in t.column_names]
     if order:
         t = t.sort_by(order)

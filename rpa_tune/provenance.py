@@ -1,19 +1,20 @@
-"""Where a result came from: package versions, kernel source hash, git sha.
+"""Where a result came from: package versions, the kernel's two hashes, git sha.
 
-Nothing here imports JAX (versions come from package metadata), so the CLI can stamp
-rows without initialising a backend.
+The hashes are defined once, in ``kernel.provenance`` (``kernel_source_hash``: what table
+entries record; ``result_inputs_hash``: what results-store rows record). Nothing here
+imports JAX (versions come from package metadata), so the CLI can stamp rows without
+initialising a backend.
 """
 from __future__ import annotations
 
 import functools
-import hashlib
-import importlib.util
 import os
 import subprocess
 from importlib import metadata
-from pathlib import Path
 
-KERNEL_DIR = Path(importlib.util.find_spec("kernel").origin).resolve().parent  # without importing JAX
+from kernel import provenance as kprov
+from kernel.provenance import KERNEL_DIR, KERNEL_SOURCE_FILES, RESULT_INPUT_FILES  # noqa: F401 (re-exported)
+
 REPO_DIR = KERNEL_DIR.parent
 
 
@@ -36,38 +37,21 @@ def versions() -> dict:
 KERNEL_HASH_ENV = "RPA_TUNE_KERNEL_HASH"
 
 
-# The kernel files a recorded result depends on: the compiled kernel itself (the files
-# ``kernel.tables.KERNEL_SOURCE_FILES`` names) plus those that shape an evaluation: the
-# estimate (analysis, metrics, hardware facts), the workload model and the heuristic each
-# sweep compares against. Table loading, bring-up, validation and the reference are not in
-# it: editing them does not make recorded results stale.
-RESULT_INPUT_FILES = ("rpa.py", "api.py", "vmem.py", "config.py",
-                      "analysis.py", "steps.py", "metrics.py", "hardware.py", "workload.py", "heuristics.py")
+def result_inputs_hash() -> str:
+    """The hash results-store rows record in their ``kernel_hash`` column
+    (``kernel.provenance.result_inputs_hash``): a change to the kernel or to how it is
+    estimated gives a new value, so results of an older kernel are never reused on resume.
+    ``$RPA_TUNE_KERNEL_HASH`` pins it instead (tests; or resuming across kernel edits known
+    not to matter)."""
+    return os.environ.get(KERNEL_HASH_ENV) or kprov.result_inputs_hash()
 
 
-def kernel_hash() -> str:
-    """sha256 (16 hex digits) of the ``RESULT_INPUT_FILES`` of ``kernel/``: a change to the
-    kernel or to how it is estimated gives a new hash, so results of an older kernel are
-    never reused on resume. ``$RPA_TUNE_KERNEL_HASH`` pins it instead (tests; or resuming
-    across kernel edits known not to matter)."""
-    pinned = os.environ.get(KERNEL_HASH_ENV)
-    if pinned:
-        return pinned
-    h = hashlib.sha256()
-    for name in RESULT_INPUT_FILES:
-        h.update(name.encode() + b"\0" + (KERNEL_DIR / name).read_bytes() + b"\0")
-    return h.hexdigest()[:16]
+kernel_hash = result_inputs_hash     # the name the results store's column keeps
 
 
-def kernel_source_hash() -> str | None:
-    """The hash tuned tables are checked against (``kernel.tables.kernel_source_hash``),
-    when the kernel provides it."""
-    try:
-        from kernel import tables
-        fn = getattr(tables, "kernel_source_hash", None)
-        return fn() if fn else None
-    except Exception:  # noqa: BLE001 - provenance must never stop a sweep
-        return None
+def kernel_source_hash() -> str:
+    """The hash tuned tables record and are checked against (``kernel.provenance``)."""
+    return kprov.kernel_source_hash()
 
 
 @functools.lru_cache(maxsize=None)
@@ -86,5 +70,7 @@ def git_sha() -> str | None:
 
 
 def provenance() -> dict:
-    return dict(versions(), kernel_hash=kernel_hash(), kernel_source_hash=kernel_source_hash(),
+    """The provenance columns of a results-store row (``kernel_hash`` holds
+    ``result_inputs_hash``; ``kernel_source_hash`` is what an exported entry records)."""
+    return dict(versions(), kernel_hash=result_inputs_hash(), kernel_source_hash=kernel_source_hash(),
                 git_sha=git_sha())

@@ -56,7 +56,7 @@ def wrong_configs(df) -> set:
 def winners(df, *, tpu=None, case=None, backend=None, top: int = 1) -> list[Group]:
     if df.empty:
         return []
-    current = provenance.kernel_hash()
+    current = provenance.result_inputs_hash()
     wrong = wrong_configs(df)
     d = df
     if tpu is not None:
@@ -116,7 +116,7 @@ def verify_winners(store: ResultStore, *, tpu=None, case=None, top: int = 1, job
     store (backend ``interpret``) and returned. Configs already checked with the current
     kernel are not run again."""
     from .engine import WorkerPool, make_row
-    from .evaluators.base import Task, evaluator_version
+    from .evaluators import Task, evaluator_version
     from .evaluators.interpret import interpret_problem
     from .workloads import workload_id
 
@@ -175,6 +175,23 @@ def verify_winners(store: ResultStore, *, tpu=None, case=None, top: int = 1, job
 
 
 # ============================================================================ doctor
+def table_files() -> list[dict]:
+    """The table files the kernel loads here (``$RPA_TABLE``, then the shipped ones): path,
+    status with the entry count, and whether their entries were tuned for this kernel."""
+    import logging
+    from kernel import tables
+    logging.getLogger("kernel.tables").disabled = True       # doctor reports, it does not warn
+    try:
+        state = tables.load_tables()
+    finally:
+        logging.getLogger("kernel.tables").disabled = False
+    out = []
+    for path, status in state.files:
+        out.append(dict(path=path, status=status, loaded=status.startswith("ok"),
+                        matches_kernel=status.startswith("ok") and "another kernel" not in status))
+    return out
+
+
 def doctor_report(*, tpu: str = "v6e", quick: bool = False) -> dict:
     from importlib import metadata
     from .evaluators.base import compilation_cache_dir
@@ -189,8 +206,10 @@ def doctor_report(*, tpu: str = "v6e", quick: bool = False) -> dict:
     rep = {"versions": {"python": platform.python_version(), "jax": ver("jax"), "jaxlib": ver("jaxlib"),
                         "libtpu": ver("libtpu") or ver("libtpu-nightly"), "rpa-tune": ver("rpa-tune"),
                         "optuna": ver("optuna"), "pyarrow": ver("pyarrow")},
-           "kernel": {"kernel_hash": provenance.kernel_hash(), "git_sha": provenance.git_sha(),
-                      "kernel_dir": str(provenance.KERNEL_DIR)}}
+           "kernel": {"kernel_source_hash (tables)": provenance.kernel_source_hash(),
+                      "result_inputs_hash (results)": provenance.result_inputs_hash(),
+                      "git_sha": provenance.git_sha(), "kernel_dir": str(provenance.KERNEL_DIR)},
+           "tables": table_files()}
     probe = probe_devices()
     here = tpu_generation_present(probe)
     rep["devices"] = probe

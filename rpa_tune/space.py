@@ -1,6 +1,7 @@
 """Search spaces: declarative TOML files of candidate block sizes, legality rules and caps.
 
-A space file (``rpa_tune/search_spaces/<generation>.toml``, or your own via ``--space``)
+A space file (``search_spaces/<generation>.toml`` at the repository root, shipped in the
+wheel as ``rpa_tune/_search_spaces``; or your own via ``--space``)
 looks like::
 
     generation = "v6e"            # optional; "*" or absent: any generation
@@ -28,16 +29,26 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import importlib.resources
 import itertools
 import tomllib
 from pathlib import Path
 
 import numpy as np
 
-from kernel.config import BlockSizes, Case, CASES, block_size_errors, cdiv, kv_packing, round_up
+from kernel.config import BlockSizes, Case, CASES, block_size_errors, cdiv, kv_bytes_per_token, round_up
 from kernel.workload import ModelShape, ServingLimits
 
-SPACE_DIR = Path(__file__).resolve().parent / "search_spaces"
+def _space_dir() -> Path:
+    """Package data ``rpa_tune/_search_spaces`` of an installed wheel (importlib.resources),
+    else ``search_spaces/`` at the root of the source checkout (what people edit)."""
+    data = importlib.resources.files(__package__).joinpath("_search_spaces")
+    if data.is_dir():
+        return Path(str(data))
+    return Path(__file__).resolve().parent.parent / "search_spaces"
+
+
+SPACE_DIR = _space_dir()
 KNOBS = ("bq", "bkv", "cq", "ckv")
 
 EXPRESSION_NAMES = {
@@ -52,7 +63,7 @@ EXPRESSION_NAMES = {
     "q_bytes_per_token": "bytes of Q of all query heads per token (lane-padded)",
     "vmem_capacity": "VMEM bytes per TensorCore (jax tpu_info)",
     "mxu": "MXU column size (128 or 256)",
-    "KiB": "1024", "MiB": "1024**2",
+    "KiB": "1024", "MiB": "1024 * 1024",
 }
 FUNCTIONS = {"min": min, "max": max, "cdiv": cdiv, "round_up": round_up}
 
@@ -63,7 +74,7 @@ class SpaceError(ValueError):
 
 _ALLOWED_NODES = (
     ast.Expression, ast.BoolOp, ast.And, ast.Or, ast.UnaryOp, ast.Not, ast.USub, ast.UAdd,
-    ast.BinOp, ast.Add, ast.Sub, ast.Mult, ast.FloorDiv, ast.Mod, ast.Div, ast.Pow,
+    ast.BinOp, ast.Add, ast.Sub, ast.Mult, ast.FloorDiv, ast.Mod, ast.Div,
     ast.Compare, ast.Eq, ast.NotEq, ast.Lt, ast.LtE, ast.Gt, ast.GtE,
     ast.Name, ast.Load, ast.Constant, ast.Call,
 )
@@ -75,6 +86,7 @@ class Rule:
 
     text: str
     code: object = dataclasses.field(compare=False, repr=False)
+    where: str = dataclasses.field(default="", compare=False, repr=False)
 
     @classmethod
     def parse(cls, text: str, where: str) -> "Rule":
@@ -84,8 +96,10 @@ class Rule:
             raise SpaceError(f"{where}: rule {text!r} is not a valid expression ({e.msg})") from None
         for node in ast.walk(tree):
             if not isinstance(node, _ALLOWED_NODES):
-                raise SpaceError(f"{where}: rule {text!r} uses {type(node).__name__}, which is not "
-                                 "allowed (use arithmetic, comparisons, and/or/not, min/max/cdiv/round_up)")
+                what = "**" if isinstance(node, ast.Pow) else type(node).__name__
+                raise SpaceError(f"{where}: rule {text!r} uses {what}, which is not allowed (allowed: "
+                                 "+ - * / // %, comparisons, and/or/not, min/max/cdiv/round_up, the names "
+                                 "of EXPRESSION_NAMES and numbers)")
             if isinstance(node, ast.Call):
                 if not isinstance(node.func, ast.Name) or node.func.id not in FUNCTIONS or node.keywords:
                     raise SpaceError(f"{where}: rule {text!r} calls something other than "
@@ -95,10 +109,16 @@ class Rule:
                                  f"{', '.join(EXPRESSION_NAMES)}")
             elif isinstance(node, ast.Constant) and not isinstance(node.value, (int, float)):
                 raise SpaceError(f"{where}: rule {text!r} has a non-numeric constant {node.value!r}")
-        return cls(text, compile(tree, where, "eval"))
+        return cls(text, compile(tree, where, "eval"), where)
 
     def holds(self, ns: dict) -> bool:
-        return bool(eval(self.code, {"__builtins__": {}}, {**FUNCTIONS, **ns}))  # noqa: S307 (validated AST)
+        try:
+            return bool(eval(self.code, {"__builtins__": {}}, {**FUNCTIONS, **ns}))  # noqa: S307 (validated AST)
+        except ArithmeticError as e:      # division or modulo by zero (no power: values stay small)
+            used = {n.id: ns[n.id] for n in ast.walk(ast.parse(self.text, mode="eval"))
+                    if isinstance(n, ast.Name) and n.id in ns}
+            raise SpaceError(f"{self.where}: rule {self.text!r} cannot be evaluated ({e}) for "
+                             + ", ".join(f"{k}={v}" for k, v in used.items())) from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -224,15 +244,13 @@ def context(model: ModelShape, limits: ServingLimits, generation: str) -> dict:
     """The names rules may use, for one problem."""
     from kernel.hardware import tpu_info
     info = tpu_info(generation)
-    pk = kv_packing(model.kv_dtype)
     dp = round_up(model.head_dim, 128)
-    kv_rows = cdiv(2 * model.num_kv_heads, pk)
     return dict(
         page_size=limits.page_size, max_num_tokens=limits.max_num_tokens,
         max_num_seqs=limits.max_num_seqs, max_model_len=limits.max_model_len,
         num_q_heads=model.num_q_heads, num_kv_heads=model.num_kv_heads, group=model.group,
         head_dim=model.head_dim, head_dim_padded=dp,
-        kv_bytes_per_token=kv_rows * pk * dp * np.dtype(model.kv_dtype).itemsize,
+        kv_bytes_per_token=kv_bytes_per_token(model.num_kv_heads, model.head_dim, model.kv_dtype),
         q_bytes_per_token=model.num_q_heads * dp * np.dtype(model.q_dtype).itemsize,
         vmem_capacity=int(info.vmem_capacity_bytes), mxu=int(info.mxu_column_size),
         KiB=1024, MiB=1024 ** 2)

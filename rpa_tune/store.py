@@ -14,8 +14,10 @@ again (``--retry STATUS`` re-evaluates the chosen statuses).
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
+import logging
 import os
 import time
 import uuid
@@ -54,6 +56,7 @@ SCHEMA = pa.schema([
     ("schema_version", pa.int64()),
 ])
 COLUMNS = tuple(SCHEMA.names)
+log = logging.getLogger("rpa_tune.store")
 
 
 def config_id(key_id: str, workload_id: str, bs, backend: str, kernel_hash: str, evaluator_version: str) -> str:
@@ -91,30 +94,10 @@ class ResultStore:
 
     # -- reading -------------------------------------------------------------------
     def files(self) -> list[Path]:
-        if not self.root.is_dir():
-            return []
-        return sorted(p for p in self.root.glob("*.parquet") if p.is_file())
+        return result_files([self.root]) if self.root.is_dir() else []
 
     def read_table(self) -> pa.Table:
-        tables = []
-        for p in self.files():
-            try:
-                t = pq.read_table(p)
-            except Exception:  # noqa: BLE001 - a foreign / damaged file never stops a reader
-                continue
-            cols = []
-            for field in SCHEMA:
-                if field.name in t.column_names:
-                    try:
-                        cols.append(t.column(field.name).cast(field.type))
-                    except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
-                        cols.append(pa.nulls(t.num_rows, field.type))
-                else:
-                    cols.append(pa.nulls(t.num_rows, field.type))
-            tables.append(pa.Table.from_arrays(cols, schema=SCHEMA))
-        if not tables:
-            return SCHEMA.empty_table()
-        return pa.concat_tables(tables)
+        return read_results_table([self.root] if self.root.is_dir() else []).table
 
     def read(self):
         """All rows as a pandas DataFrame (empty, with every column, when there are none)."""
@@ -129,6 +112,49 @@ class ResultStore:
         for r in t.sort_by("timestamp").to_pylist():
             out[r["config_id"]] = r
         return out
+
+
+# ------------------------------------------------------------------- the one reader
+@dataclasses.dataclass
+class ResultsRead:
+    table: pa.Table                 # every readable row, conformed to SCHEMA
+    files: list                     # the files read
+    damaged: list                   # (file, reason) of files skipped
+
+
+def result_files(paths) -> list[Path]:
+    """The Parquet files of results paths (a directory: every ``*.parquet`` below it except
+    under dot-directories such as a store's ``.tmp/``; a file: itself). A missing path
+    raises ``FileNotFoundError``."""
+    files = []
+    for p in map(Path, paths):
+        if p.is_dir():
+            files.extend(sorted(f for f in p.rglob("*.parquet") if f.is_file()
+                                and not any(part.startswith(".") for part in f.relative_to(p).parts)))
+        elif p.is_file():
+            files.append(p)
+        else:
+            raise FileNotFoundError(f"results path {p} does not exist")
+    return files
+
+
+def read_results_table(paths) -> ResultsRead:
+    """All result rows under ``paths`` through ``pyarrow.dataset`` with the one ``SCHEMA``
+    (older files: missing columns are null; unknown columns are ignored). The one policy
+    for a damaged file (not Parquet, truncated, a column of an incompatible type): it is
+    skipped, named in ``damaged`` and logged as a warning; the other files are read."""
+    import pyarrow.dataset as ds
+    files = result_files(paths)
+    tables, damaged = [], []
+    for f in files:
+        try:
+            tables.append(ds.dataset(f, schema=SCHEMA, format="parquet").to_table())
+        except Exception as e:  # noqa: BLE001 - any reader failure is a damaged file
+            reason = " ".join(str(e).split())[:300]
+            damaged.append((str(f), reason))
+            log.warning("rpa-tune results: skipping damaged file %s: %s", f, reason)
+    table = pa.concat_tables(tables) if tables else SCHEMA.empty_table()
+    return ResultsRead(table, files, damaged)
 
 
 def _fsync_dir(path: Path) -> None:

@@ -1,8 +1,11 @@
 """Rich rendering: sweep header, live progress, summary tables, show / verify / doctor."""
 from __future__ import annotations
 
+import json
 import math
 import os
+import threading
+import time
 
 from rich.console import Console
 from rich.markup import escape
@@ -15,7 +18,8 @@ from .engine import Events, Outcome, Plan, SweepSpec, plan_sweep
 def _console(**kw) -> Console:
     c = Console(highlight=False, **kw)
     if not c.is_terminal and "COLUMNS" not in os.environ:
-        c = Console(highlight=False, width=200, **kw)   # logs / pipes: do not wrap tables at 80 columns
+        # logs / pipes: never wrap (tables only take the width their cells need)
+        c = Console(highlight=False, width=100_000, **kw)
     return c
 
 
@@ -87,7 +91,60 @@ def print_header(spec: SweepSpec, backend_note: str, results) -> None:
     err.print(f"  results   {os.fspath(results)}")
 
 
-def print_plan(spec: SweepSpec, backend_note: str, results) -> None:
+def print_json(doc) -> None:
+    """A JSON document on stdout (``--json``): nothing else is printed there."""
+    import sys
+    sys.stdout.write(json.dumps(doc, indent=2, default=_json_default) + "\n")
+    sys.stdout.flush()
+
+
+def _json_default(v):
+    if hasattr(v, "item"):
+        return v.item()
+    if hasattr(v, "isoformat"):
+        return v.isoformat()
+    return str(v)
+
+
+def _bs_list(r) -> list | None:
+    return None if not r else [int(r[k]) for k in ("bq", "bkv", "cq", "ckv")]
+
+
+def outcome_dict(o: Outcome) -> dict:
+    """One sweep's outcome for ``sweep --json``."""
+    b, h = o.best, o.heuristic_row
+    return dict(key=o.spec.key.as_dict(), key_id=o.spec.key.id(), workload=o.spec.workload_desc,
+                backend=o.spec.backend, evaluated=o.evaluated, resumed=o.resumed,
+                counts={k: v for k, v in o.counts.items() if v}, stop_reason=o.stop_reason,
+                interrupted=o.interrupted, elapsed_s=round(o.elapsed_s, 3),
+                best=None if not b else dict(block_sizes=_bs_list(b), metric=b.get("metric")),
+                heuristic=None if not h else dict(block_sizes=_bs_list(h), metric=h.get("metric"),
+                                                   status=h.get("status")),
+                speedup=(h["metric"] / b["metric"]) if b and h and h.get("metric") else None)
+
+
+def group_dict(g) -> dict:
+    """One key's winners for ``show --json``."""
+    return dict(key=g.key, key_id=g.key_id, workload_id=g.workload_id, workload=g.workload, backend=g.backend,
+                method=g.method, kernel_hash=g.kernel_hash, stale=g.stale, counts=g.counts,
+                excluded_wrong=g.excluded_wrong, speedup=g.gain,
+                heuristic=None if not g.heuristic else dict(block_sizes=_bs_list(g.heuristic),
+                                                            metric=g.heuristic.get("metric")),
+                configs=[dict(block_sizes=_bs_list(r), metric=r.get("metric"), bound=r.get("active_bound"),
+                              cycles=r.get("cycles"), vmem_limit_bytes=r.get("vmem_limit_bytes"),
+                              heuristic=bool(r.get("is_heuristic"))) for r in g.rows])
+
+
+def print_plan(spec: SweepSpec, backend_note: str, results, json_out: bool = False) -> None:
+    if json_out:
+        plan = plan_sweep(spec)
+        print_json(dict(key=spec.key.as_dict(), key_id=spec.key.id(), workload=spec.workload_desc,
+                        backend=spec.backend, total=plan.total, illegal=plan.illegal, capped=plan.capped,
+                        prefiltered=plan.prefiltered, not_estimable=plan.not_estimable,
+                        heuristic=list(plan.heuristic) if plan.heuristic else None,
+                        candidates=[dict(block_sizes=list(bs), predicted_vmem_bytes=plan.predicted[bs])
+                                    for bs in plan.candidates]))
+        return
     print_header(spec, backend_note, results)
     plan = plan_sweep(spec)
     t = Table(title=f"{spec.key.generation} {spec.key.case}: candidates (dry run, nothing evaluated)")
@@ -99,6 +156,81 @@ def print_plan(spec: SweepSpec, backend_note: str, results) -> None:
     out.print(t)
     if plan.reasons:
         out.print("dropped: " + "; ".join(f"{n} x {r}" for r, n in sorted(plan.reasons.items(), key=lambda x: -x[1])))
+
+
+def sweep_progress(interval: float = 30.0) -> Events:
+    """A live Rich bar on a terminal; plain progress lines when stderr is not one (logs, CI)."""
+    return SweepProgress() if err.is_terminal else PlainProgress(interval=interval)
+
+
+class PlainProgress(Events):
+    """Progress for logs: one line per finished config (n/N, status, time, best so far) and,
+    while evaluations run, a line every ``interval`` seconds."""
+
+    def __init__(self, interval: float = 30.0, stream=None):
+        import sys
+        self.stream = stream or sys.stderr
+        self.interval = interval
+        self.done = self.total = self.in_flight = 0
+        self.counts: dict = {}
+        self.best = None
+        self.label = ""
+        self.t0 = time.monotonic()
+        self.last = self.t0
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._thread = None
+
+    def __enter__(self):
+        self._thread = threading.Thread(target=self._beat, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    def _line(self, text: str) -> None:
+        with self._lock:
+            self.last = time.monotonic()
+            self.stream.write(f"[{self.label} {self.last - self.t0:6.0f} s] {text}\n")
+            self.stream.flush()
+
+    def _beat(self):
+        while not self._stop.wait(min(self.interval, 1.0)):
+            if time.monotonic() - self.last >= self.interval and self.in_flight:
+                self._line(f"config {self.done}/{self.total} done, {self.in_flight} running; {self._best()}")
+
+    def _best(self) -> str:
+        counts = ", ".join(f"{k} {v}" for k, v in self.counts.items() if v)
+        best = f"best {fmt_bs(self.best)} {fmt_time(self.best['metric'])}" if self.best else "no ok config yet"
+        return f"{best} ({counts or 'nothing finished'})"
+
+    def _note(self, row, how: str):
+        self.done += 1
+        self.counts[row["status"]] = self.counts.get(row["status"], 0) + 1
+        if row["status"] == "ok" and row.get("metric") is not None:
+            if self.best is None or row["metric"] < self.best["metric"]:
+                self.best = row
+        t = fmt_time(row.get("metric")) if row["status"] == "ok" else str(row.get("message") or "")[:80]
+        self._line(f"config {self.done}/{self.total} {fmt_bs(row)} {row['status']} {t}{how}; {self._best()}")
+
+    def start(self, spec, plan, total):
+        self.label = f"{spec.key.generation} {spec.key.case}"
+        self.total = total
+        self.t0 = time.monotonic()
+        self._line(f"start: {total} configs to evaluate or resume")
+
+    def resumed(self, row):
+        self._note(row, " (recorded before)")
+
+    def dispatched(self, bs):
+        self.in_flight += 1
+
+    def finished(self, row, outcome):
+        self.in_flight = max(0, self.in_flight - 1)
+        self._note(row, "")
 
 
 class SweepProgress(Events):
@@ -158,7 +290,7 @@ def print_summary(o: Outcome, store, top: int = 10) -> None:
         d = df[(df["key_id"] == spec.key.id()) & (df["workload_id"] == workload_id(spec.workload))
                & (df["backend"] == spec.backend)]
         from . import provenance
-        d = d[d["kernel_hash"] == provenance.kernel_hash()]
+        d = d[d["kernel_hash"] == provenance.result_inputs_hash()]
         d = d.sort_values("timestamp").drop_duplicates("config_id", keep="last")
     else:
         d = df
@@ -290,6 +422,13 @@ def print_doctor(rep: dict) -> None:
         t.add_row(k, escape(str(v or "not installed")))
     for k, v in rep["kernel"].items():
         t.add_row(k, str(v))
+    if not rep.get("tables"):
+        t.add_row("tables", "none found ($RPA_TABLE unset and no shipped tables): the heuristic applies")
+    for f in rep.get("tables", []):
+        match = ("" if not f["loaded"] else "; all match this kernel" if f["matches_kernel"]
+                 else " [yellow](used with a warning; RPA_TABLE_STRICT=1 refuses them)[/]")
+        t.add_row("table", escape(f["path"]) + ": " + (escape(f["status"]) if f["loaded"]
+                                                      else styled(f["status"], "red")) + match)
     d = rep["devices"]
     t.add_row("devices", f"{d.get('platform')} {d.get('device_kind') or ''} x{d.get('count')}"
               + ("" if d.get("probed") else " (no accelerator device nodes; not probed)"))

@@ -62,7 +62,7 @@ def main(argv=None) -> int:
         out.write(MARK + json.dumps(obj) + "\n")
         out.flush()
 
-    from .evaluators.base import COMPILE_ERROR, EvalResult, Task, get_evaluator
+    from .evaluators import COMPILE_ERROR, EvalResult, Task, get_evaluator
     evaluator = get_evaluator(backend)
     send({"ready": True, "pid": os.getpid()})
     for line in sys.stdin:

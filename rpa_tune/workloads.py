@@ -166,9 +166,12 @@ def read_workload_file(path: str | Path) -> list[tuple[int, int, str | None]]:
     """Rows ``(q_len, kv_len, case or None)`` from a JSON or CSV file."""
     p = Path(path)
     try:
-        text = p.read_text()
+        text = p.read_text(encoding="utf-8")
     except OSError as e:
         raise WorkloadError(f"workload file {str(p)!r} cannot be read: {e.strerror or e}") from None
+    except UnicodeDecodeError:
+        raise WorkloadError(f"workload file {str(p)!r} is not UTF-8 text; expected JSON or CSV rows of "
+                            "q_len, kv_len (optional case)") from None
     rows: list[tuple[int, int, str | None]] = []
 
     def add(q, kv, case, where):

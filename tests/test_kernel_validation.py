@@ -21,33 +21,53 @@ def call(inp, **kw):
                                          **{k: v for k, v in kw.items() if k not in inp}, interpret=True)
 
 
-@pytest.mark.parametrize("override,match", [
-    (lambda i: dict(queries=i["queries"][:, :, :64]), r"keys shape .* does not match queries"),
-    (lambda i: dict(queries=i["queries"][:, :7]), r"num_q_heads=7 is not divisible by num_kv_heads=2"),
-    (lambda i: dict(values=i["values"][:, :1]), r"keys shape .* != values shape"),
-    (lambda i: dict(queries=i["queries"].astype(jnp.float16)), r"queries dtype float16 not supported"),
-    (lambda i: dict(kv_cache=i["kv_cache"].astype(jnp.float32)), r"kv_cache dtype float32 not supported"),
-    (lambda i: dict(kv_cache=i["kv_cache"][:, :, :1]), r"kv_cache shape .* expected"),
-    (lambda i: dict(kv_lens=i["kv_lens"].astype(jnp.float32)), r"kv_lens must have dtype int32"),
-    (lambda i: dict(cu_q_lens=i["cu_q_lens"][:-1]), r"cu_q_lens has 4 entries; need max_num_seqs \+ 1 = 5"),
-    (lambda i: dict(distribution=jnp.array([2, 1, 3], jnp.int32)), r"distribution=\(2, 1, 3\) must satisfy"),
-    (lambda i: dict(distribution=jnp.array([0, 1, 9], jnp.int32)), r"distribution=\(0, 1, 9\)"),
-    (lambda i: dict(page_indices=i["page_indices"].at[0].set(10_000)), r"page_indices\[0\]=10000 .* out of range"),
-    (lambda i: dict(kv_lens=i["kv_lens"].at[1].set(3)), r"kv_lens\[1\]=3 < q_len=8"),
-    (lambda i: dict(distribution=jnp.array([2, 2, 3], jnp.int32)), r"sequence 1 is in the decode range .* q_len=8"),
-    (lambda i: dict(d_block_sizes=(1, 32, 1, 24)), r"bkv=32 must be a multiple of ckv=24"),
-    (lambda i: dict(p_block_sizes=(16, 32, 6, 16)), r"bq=16 must be a multiple of cq=6"),
-    (lambda i: dict(m_block_sizes=(8, 40, 8, 40)), r"bkv=40 must be a multiple of page_size=16"),
-    (lambda i: dict(p_block_sizes=(8, 32, 8, 8)), r"ckv=8 must be a multiple of page_size=16"),
-    (lambda i: dict(d_block_sizes=(2, 32, 1, 32)), r"decode block sizes need bq == cq == 1"),
-    (lambda i: dict(d_block_sizes=(1, 32, 1)), r"not a 4-tuple"),
-    (lambda i: dict(sliding_window=0), r"sliding_window=0 must be a positive int"),
-    (lambda i: dict(soft_cap=-1.0), r"soft_cap=-1.0 must be a positive float"),
-    (lambda i: dict(k_scale=0.0), r"k_scale=0.0 must be > 0"),
+@pytest.mark.parametrize("override,match,values", [
+    (lambda i: dict(queries=i["queries"][:, :, :64]), r"keys shape .* does not match queries", False),
+    (lambda i: dict(queries=i["queries"][:, :7]), r"num_q_heads=7 is not divisible by num_kv_heads=2", False),
+    (lambda i: dict(values=i["values"][:, :1]), r"keys shape .* != values shape", False),
+    (lambda i: dict(queries=i["queries"].astype(jnp.float16)), r"queries dtype float16 not supported", False),
+    (lambda i: dict(kv_cache=i["kv_cache"].astype(jnp.float32)), r"kv_cache dtype float32 not supported", False),
+    (lambda i: dict(kv_cache=i["kv_cache"][:, :, :1]), r"kv_cache shape .* expected", False),
+    (lambda i: dict(kv_lens=i["kv_lens"].astype(jnp.float32)), r"kv_lens must have dtype int32", False),
+    (lambda i: dict(cu_q_lens=i["cu_q_lens"][:-1]), r"cu_q_lens has 4 entries; need max_num_seqs \+ 1 = 5", False),
+    (lambda i: dict(distribution=jnp.array([2, 1, 3], jnp.int32)), r"distribution=\(2, 1, 3\) must satisfy", True),
+    (lambda i: dict(distribution=jnp.array([0, 1, 9], jnp.int32)), r"distribution=\(0, 1, 9\)", True),
+    (lambda i: dict(page_indices=i["page_indices"].at[0].set(10_000)), r"page_indices\[0\]=10000 .* out of range", True),
+    (lambda i: dict(kv_lens=i["kv_lens"].at[1].set(3)), r"kv_lens\[1\]=3 < q_len=8", True),
+    (lambda i: dict(distribution=jnp.array([2, 2, 3], jnp.int32)), r"sequence 1 is in the decode range .* q_len=8", True),
+    (lambda i: dict(d_block_sizes=(1, 32, 1, 24)), r"bkv=32 must be a multiple of ckv=24", False),
+    (lambda i: dict(p_block_sizes=(16, 32, 6, 16)), r"bq=16 must be a multiple of cq=6", False),
+    (lambda i: dict(m_block_sizes=(8, 40, 8, 40)), r"bkv=40 must be a multiple of page_size=16", False),
+    (lambda i: dict(p_block_sizes=(8, 32, 8, 8)), r"ckv=8 must be a multiple of page_size=16", False),
+    (lambda i: dict(d_block_sizes=(2, 32, 1, 32)), r"decode block sizes need bq == cq == 1", False),
+    (lambda i: dict(d_block_sizes=(1, 32, 1)), r"not a 4-tuple", False),
+    (lambda i: dict(sliding_window=0), r"sliding_window=0 must be a positive int", False),
+    (lambda i: dict(soft_cap=-1.0), r"soft_cap=-1.0 must be a positive float", False),
+    (lambda i: dict(k_scale=0.0), r"k_scale=0.0 must be > 0", False),
 ])
-def test_bad_input_raises_value_error(inp, override, match):
+def test_bad_input_raises_value_error(inp, override, match, values, monkeypatch):
+    if values:       # metadata values are checked only on request (RPA_CHECK_VALUES=1)
+        monkeypatch.setenv("RPA_CHECK_VALUES", "1")
     with pytest.raises(ValueError, match=match):
         call(inp, **override(inp))
+
+
+def test_metadata_values_are_checked_only_on_request(inp, monkeypatch):
+    """Shape checks always run; value checks (a host copy of the metadata) are opt-in."""
+    from kernel import validate
+    seen = []
+    real = validate._validate_values
+    monkeypatch.setattr(validate, "_validate_values", lambda *a: seen.append(1) or real(*a))
+    monkeypatch.delenv("RPA_CHECK_VALUES", raising=False)
+    bad = dict(inp, kv_lens=inp["kv_lens"].at[1].set(3))
+    kernel.validate_inputs(**bad)
+    assert seen == []
+    with pytest.raises(ValueError, match=r"kv_lens\[1\]=3 < q_len=8"):
+        kernel.validate_inputs(**bad, check_values=True)
+    monkeypatch.setenv("RPA_CHECK_VALUES", "1")
+    with pytest.raises(ValueError, match=r"kv_lens\[1\]=3 < q_len=8"):
+        kernel.validate_inputs(**bad)
+    assert len(seen) == 2
 
 
 def test_head_dim_rule():

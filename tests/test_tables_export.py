@@ -1,4 +1,5 @@
 """rpa-tune export / diff: determinism, merging, promotion margin, --check."""
+import json
 import random
 
 import pytest
@@ -205,8 +206,17 @@ def test_diff_command(tmp_path):
     write_results(tmp_path / "r2", _sweep_rows(KEYS[1:4], gains=[0.1, 0.5, 0.1]))
     _export(tmp_path / "r2", tmp_path / "new")
     r = runner.invoke(_app(), ["diff", str(tmp_path / "old"), str(tmp_path / "new"), "--fields"])
-    assert r.exit_code == 0, r.output
+    assert r.exit_code == 1, r.output                      # entries differ: exit 1 (for scripts / CI)
     assert "1 added, 1 removed, 1 changed" in r.output.replace("\n", " ")
+    same = runner.invoke(_app(), ["diff", str(tmp_path / "old"), str(tmp_path / "old")])
+    assert same.exit_code == 0 and "0 added, 0 removed, 0 changed" in same.output
+    js = runner.invoke(_app(), ["diff", str(tmp_path / "old"), str(tmp_path / "new"), "--json"])
+    assert js.exit_code == 1
+    doc = json.loads(js.stdout)
+    assert doc["counts"] == {"added": 1, "removed": 1, "changed": 1}
+    assert [(x["change"], x["key"]) for x in doc["rows"]] == [("removed", KEYS[0].id()), ("changed", KEYS[2].id()),
+                                                              ("added", KEYS[3].id())]
+    assert "metric" in doc["rows"][1]["changed_fields"]
     old, new = ex.load_table_path(tmp_path / "old"), ex.load_table_path(tmp_path / "new")
     rows = ex.diff_tables(old, new)
     assert [x.change for x in rows] == ["removed", "changed", "added"]
@@ -255,3 +265,69 @@ def test_compact_results_keeps_rows(tmp_path):
     _export(tmp_path / "res", tmp_path / "after")
     for n in ("v5e.json", "v6e.json"):
         assert (tmp_path / "before" / n).read_bytes() == (tmp_path / "after" / n).read_bytes()
+
+
+def test_export_merges_into_existing_tables_and_says_what_changed(tmp_path):
+    """Exporting one new key into a directory that holds a table keeps its other entries;
+    only --replace drops them, and says so."""
+    out = tmp_path / "tables"
+    v6e = [k for k in KEYS if k.generation == "v6e"]
+    write_results(tmp_path / "all", _sweep_rows(v6e, gains=[0.1] * 4))
+    _export(tmp_path / "all", out)
+    before = Table.read(out / "v6e.json")
+    assert len(before) == 4
+    # a later sweep of one key finds a better config
+    k = v6e[0]
+    write_results(tmp_path / "one", _sweep_rows([k], gains=[0.5]))
+    r = runner.invoke(_app(), ["export", "-r", str(tmp_path / "one"), "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    assert "v6e: 0 added, 1 changed, 0 unchanged, 3 kept from the existing table" in r.output
+    after = Table.read(out / "v6e.json")
+    assert set(after.by_key()) == set(before.by_key())
+    assert after.by_key()[k].gain == pytest.approx(0.5) and before.by_key()[k].gain == pytest.approx(0.1)
+    for other in v6e[1:]:
+        assert after.by_key()[other] == before.by_key()[other]
+    assert Table.read(out / "v6e.parquet") == after
+    # --check compares with the merged table, which is now what is on disk
+    ok = runner.invoke(_app(), ["export", "-r", str(tmp_path / "one"), "--out", str(out), "--check"])
+    assert ok.exit_code == 0, ok.output
+    # --replace drops the other keys, and says so
+    js = runner.invoke(_app(), ["export", "-r", str(tmp_path / "one"), "--out", str(out), "--replace", "--json"])
+    assert js.exit_code == 0, js.output
+    doc = json.loads(js.stdout)
+    assert doc["tables"]["v6e"]["dropped"] == [x.id() for x in v6e[1:]]
+    assert doc["tables"]["v6e"]["unchanged"] == [k.id()] and doc["tables"]["v6e"]["entries"] == 1
+    assert [x["key"] for x in doc["keys"]] == [k.id()]
+    assert len(Table.read(out / "v6e.json")) == 1
+
+
+def test_export_refuses_to_overwrite_an_unreadable_table(tmp_path):
+    out = tmp_path / "tables"
+    out.mkdir()
+    (out / "v6e.json").write_text("{ not json")
+    write_results(tmp_path / "res", _sweep_rows([KEYS[4]], gains=[0.1]))
+    r = runner.invoke(_app(), ["export", "-r", str(tmp_path / "res"), "--out", str(out)])
+    assert r.exit_code == 2 and "invalid JSON" in r.output and "--replace" in r.output
+    assert (out / "v6e.json").read_text() == "{ not json" and not (out / "v6e.parquet").exists()
+
+
+def test_export_names_workload_ambiguity_and_lets_the_user_choose(tmp_path):
+    k = KEYS[4]
+    assert (k.generation, k.case) == ("v6e", "decode")
+    old = [dict(r, workload_id="wA", workload="old workload", timestamp="2025-11-20T10:00:00Z")
+           for r in _sweep_rows([k], gains=[0.3])]
+    new = [dict(r, workload_id="wB", workload="new workload", timestamp="2025-11-22T10:00:00Z")
+           for r in _sweep_rows([k], gains=[0.05])]
+    write_results(tmp_path / "res", old + new)
+    r = runner.invoke(_app(), ["export", "-r", str(tmp_path / "res"), "--out", str(tmp_path / "a")])
+    assert r.exit_code == 0, r.output
+    text = " ".join(r.output.split())
+    assert f"{k.id()}: results for 2 workloads; used the newest, wB (new workload); others: wA (old workload)" in text
+    assert "--workload-id" in text
+    e = Table.read(tmp_path / "a" / "v6e.json").by_key()[k]
+    assert e.provenance["workload_id"] == "wB" and e.gain == pytest.approx(0.05)
+    r = runner.invoke(_app(), ["export", "-r", str(tmp_path / "res"), "--out", str(tmp_path / "b"),
+                               "--workload-id", "wA"])
+    assert r.exit_code == 0 and "workloads" not in r.output
+    e = Table.read(tmp_path / "b" / "v6e.json").by_key()[k]
+    assert e.provenance["workload_id"] == "wA" and e.gain == pytest.approx(0.3)

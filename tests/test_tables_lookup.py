@@ -1,6 +1,7 @@
 """kernel.tables: schema round trips, lookup precedence, bucketing, fallbacks, logging."""
 import json
 import logging
+import os
 import threading
 import time
 
@@ -205,7 +206,7 @@ def test_tables_read_once_thread_safe(tmp_path, monkeypatch, isolated_tables):
         time.sleep(0.05)
         return real(*a, **kw)
 
-    monkeypatch.setattr(kt, "load_tables", slow_load)
+    monkeypatch.setattr(kt.state, "load_tables", slow_load)   # what loaded() calls
     out = []
     threads = [threading.Thread(target=lambda t=t: out.append(_resolve(key(t=8 * (t + 1)))))
                for t in range(8)]
@@ -217,17 +218,20 @@ def test_tables_read_once_thread_safe(tmp_path, monkeypatch, isolated_tables):
     assert all(tuple(bs) == (1, 256, 1, 256) for bs, _ in out)
 
 
-def test_lookup_cost_is_small(tmp_path, isolated_tables):
+def test_repeated_lookup_is_memoised(tmp_path, isolated_tables, monkeypatch):
+    """A key seen before is answered from the cache, without searching the index again
+    (its wall time is measured in benchmarks/tables_lookup.py, not asserted here)."""
     table(*(entry(key(t=t), (1, 512, 1, 512)) for t in (16, 32, 64, 128, 256))).write_json(tmp_path / "t.json")
     isolated_tables(tmp_path / "t.json")
+    searches = []
+    real_find = kt.TableIndex.find
+    monkeypatch.setattr(kt.TableIndex, "find", lambda self, k: searches.append(k) or real_find(self, k))
     dims = dims_for(key(t=100))
-    kt.lookup_block_sizes(DEC, generation="v6e", dims=dims)
-    n = 20000
-    t0 = time.perf_counter()
-    for _ in range(n):
-        kt.lookup_block_sizes(DEC, generation="v6e", dims=dims)
-    per = (time.perf_counter() - t0) / n
-    assert per < 50e-6, f"cached lookup takes {per * 1e6:.1f} us"
+    for _ in range(50):
+        assert tuple(kt.lookup_block_sizes(DEC, generation="v6e", dims=dims)[0]) == (1, 512, 1, 512)
+    assert len(searches) == 1
+    kt.lookup_block_sizes(DEC, generation="v6e", dims=dims_for(key(t=200)))
+    assert len(searches) == 2
 
 
 # ---------------------------------------------------------------------------- fallbacks
@@ -295,3 +299,44 @@ def test_entry_vmem_limit_reaches_the_options(tmp_path, isolated_tables):
     assert build_options(dims_for(k), "v6e", {}, vmem_limit_bytes=8 << 20).vmem_limit_bytes == 8 << 20
     # explicit block sizes: the table's limit does not apply
     assert build_options(dims_for(k), "v6e", {Case.DECODE: (1, 512, 1, 512)}).vmem_limit_bytes is None
+
+
+def test_one_bad_entry_drops_only_itself_with_one_warning(tmp_path, caplog, isolated_tables):
+    good = entry(key(t=64), (1, 256, 1, 256))
+    doc = table(good, entry(key(t=128), (1, 512, 1, 512))).to_dict()
+    doc["entries"][1]["block_sizes"]["bkv"] = 100           # not a multiple of the page size
+    p = tmp_path / "t.json"
+    p.write_text(json.dumps(doc))
+    caplog.set_level(logging.WARNING, logger="kernel.tables")
+    isolated_tables(p)
+    assert tuple(_resolve(key(t=64))[0]) == (1, 256, 1, 256)          # the good entry is served
+    assert _resolve(key(t=128)) == _heuristic(key(t=128))
+    w = [r.getMessage() for r in _warnings(caplog)]
+    assert len(w) == 1 and str(p) in w[0] and "entry 1" in w[0] and key(t=128).id() in w[0], w
+    assert dict(kt.loaded().files)[str(p)] == "ok: 1 entries, 1 rejected"
+    with pytest.raises(kt.TableError, match="entry 1"):         # the tools stay strict
+        kt.Table.read(p)
+
+
+@pytest.mark.parametrize("field, value", [("sliding_window", "false"), ("sliding_window", 0),
+                                          ("num_q_heads", "32"), ("num_q_heads", True), ("case", 1)])
+def test_key_fields_are_type_checked(field, value):
+    doc = table(entry(key(), (1, 256, 1, 256))).to_dict()
+    doc["entries"][0]["key"][field] = value
+    with pytest.raises(kt.TableError, match=f"key.{field}={value!r} is not"):
+        kt.Table.from_dict(doc)
+
+
+def test_rpa_table_fifo_is_refused_without_blocking(tmp_path, caplog, isolated_tables):
+    fifo = tmp_path / "t.json"
+    os.mkfifo(fifo)
+    caplog.set_level(logging.WARNING, logger="kernel.tables")
+    isolated_tables(fifo)
+    result = []
+    th = threading.Thread(target=lambda: result.append(_resolve(key())), daemon=True)
+    th.start()
+    th.join(20)
+    assert not th.is_alive(), "reading a FIFO table blocked the lookup"
+    assert result == [_heuristic(key())]
+    w = [r.getMessage() for r in _warnings(caplog)]
+    assert len(w) == 1 and "not a regular file" in w[0] and str(fifo) in w[0], w

@@ -11,13 +11,11 @@ TABLES = Path(__file__).resolve().parent.parent / "tables"
 FILES = sorted(TABLES.glob("*.json")) if TABLES.is_dir() else []
 SAMPLE_PER_FILE = 2          # default suite; `-m slow` compiles every entry
 
-# Until `tables/generate.sh` has produced tables, every test here is skipped with this
-# reason (visible in the `-ra` summary) rather than passing vacuously.
-pytestmark = pytest.mark.skipif(not FILES, reason=f"no tables shipped in {TABLES} yet (run tables/generate.sh)")
-
 
 def test_tables_are_shipped():
-    assert FILES, f"no tables shipped in {TABLES}"
+    """Not skipped when tables are missing: the checkout must ship them (and the kernel
+    must find them in the checkout; tests/test_wheel.py checks an installed wheel)."""
+    assert {p.stem for p in FILES} >= {"v5e", "v6e", "tpu7x"}, f"tables missing in {TABLES}"
     assert kt.shipped_table_dir() == TABLES
 
 
@@ -37,7 +35,7 @@ def test_table_file_loads_and_mirrors(path):
 
 
 def test_shipped_tables_cover_three_generations_cases_and_presets():
-    """What the tables promise (README, "What is shipped"): v5e, v6e and TPU7x, each case,
+    """What the tables promise (docs/tables.md, "What is shipped"): v5e, v6e and TPU7x, each case,
     for the Llama-3-8B shard and two more presets (Llama-3-70B at TP8, Qwen3-32B at TP4),
     at the 2048-token bucket; an entry is written even where the heuristic was kept."""
     keys = {(e.key.generation, e.key.case, e.key.num_q_heads, e.key.num_kv_heads, e.key.max_num_tokens)

@@ -28,17 +28,17 @@ def bad_workload(tmp_path_factory):
 @pytest.mark.parametrize("args,needles", [
     (["--tpu", "v9"], ["unknown TPU 'v9'", "v4, v5e, v5p, v6e, tpu7x"]),
     (["--tpu", "v6e", "--model", "llama4-fake"], ["unknown model preset 'llama4-fake'", "llama3-8b", "gemma2-9b"]),
-    (["--tpu", "v6e", "--case", "training"], ["unknown case 'training'", "decode, prefill, mixed, all"]),
-    (["--tpu", "v6e", "--backend", "gpu"], ["unknown backend 'gpu'", "auto, tpu, compile, interpret"]),
+    (["--tpu", "v6e", "--case", "training"], ["'training' is not one of 'decode', 'prefill', 'mixed', 'all'"]),
+    (["--tpu", "v6e", "--backend", "gpu"], ["'gpu' is not one of 'auto', 'tpu', 'compile', 'interpret'"]),
     (["--tpu", "v6e", "--q-heads", "30", "--kv-heads", "8", "--head-dim", "128"],
      ["--q-heads 30 is not a multiple of --kv-heads 8"]),
     (["--tpu", "v6e", "--q-heads", "8", "--kv-heads", "8", "--head-dim", "96"],
      ["--head-dim 96 is not supported", "64, 128, 256"]),
     (["--tpu", "v6e", "--q-heads", "8"], ["needs --q-heads, --kv-heads and --head-dim together"]),
-    (["--tpu", "v6e", "--kv-dtype", "int4"], ["unknown --kv-dtype 'int4'", "bfloat16, float8_e4m3fn"]),
+    (["--tpu", "v6e", "--kv-dtype", "int4"], ["'int4' is not one of 'bfloat16', 'float8_e4m3fn'"]),
     (["--tpu", "v6e", "--page-size", "96"], ["--page-size 96 must be a power of two"]),
     (["--tpu", "v6e", "--max-model-len", "64"], ["--max-model-len 64 is smaller than --page-size 128"]),
-    (["--tpu", "v6e", "--search", "bayes"], ["unknown search 'bayes'", "grid, random, tpe"]),
+    (["--tpu", "v6e", "--search", "bayes"], ["'bayes' is not one of 'grid', 'random', 'tpe'"]),
     (["--tpu", "v6e", "--context", "zipf:2"], ["unknown context distribution 'zipf:2'"]),
     (["--tpu", "v6e", "--backend", "tpu"], ["--backend tpu needs a TPU v6e here, found no TPU"]),
 ])
@@ -163,3 +163,60 @@ def test_doctor_runs_a_trial_of_each_cpu_backend():
     assert r.returncode == 0, r.stdout + r.stderr
     assert "static profiler estimate (" in r.stdout and "cycles)" in r.stdout, r.stdout
     assert "Pallas interpreter matches the reference" in r.stdout, r.stdout
+
+
+def test_multi_bucket_sweep_json_plain_progress_and_show_json(tmp_path):
+    """`--buckets` sweeps one key per token bucket; with stderr not a terminal, progress is
+    plain lines (config n/N, status, best so far); `--json` puts one document on stdout."""
+    res = tmp_path / "results"
+    env = {"RPA_TUNE_EVALUATOR_OVERRIDE": "tune_fakes:make_evaluator", "RPA_TUNE_KERNEL_HASH": "cli-json",
+           "PYTHONPATH": TESTS + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    r = run(["sweep", "--tpu", "v6e", "--case", "decode", "--model", "llama3-70b-tp8", "--backend", "compile",
+             "--search", "grid", "--budget", "100", "--buckets", "128,64", "--results", str(res), "--json"], env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    doc = json.loads(r.stdout)
+    assert [d["key"]["max_num_tokens"] for d in doc] == [64, 128]
+    for d in doc:
+        assert d["evaluated"] == 27 and d["counts"] == {"ok": 27}
+        assert d["best"]["block_sizes"] == [1, 1024, 1, 256]          # tune_fakes' minimum
+    lines = [l for l in r.stderr.splitlines() if "] config " in l]
+    assert sum("config 27/27" in l for l in lines) == 2, r.stderr[-2000:]
+    assert all(" ok " in l and "best (" in l for l in lines)
+    assert "\x1b[" not in r.stderr                                  # no live display codes in a log
+    shown = run(["show", "--results", str(res), "--json"], env=env)
+    assert shown.returncode == 0, shown.stderr
+    groups = json.loads(shown.stdout)
+    assert sorted(g["key"]["max_num_tokens"] for g in groups) == [64, 128]
+    assert all(g["configs"][0]["block_sizes"] == [1, 1024, 1, 256] and g["counts"] == {"ok": 27} for g in groups)
+    none = run(["show", "--results", str(res), "--json", "--tpu", "v5e"], env=env)
+    assert none.returncode == 1 and json.loads(none.stdout) == []
+
+
+def test_doctor_lists_table_files_with_counts_and_kernel_match(tmp_path):
+    from kernel import tables as kt
+    from tables_synth import entry, key, table
+    good = table(entry(key(t=64), (1, 256, 1, 256), kernel_hash=kt.kernel_source_hash()))
+    doc = good.to_dict()
+    doc["entries"].append(dict(doc["entries"][0], key=dict(doc["entries"][0]["key"], sliding_window="no")))
+    (tmp_path / "mine.json").write_text(json.dumps(doc))
+    r = run(["doctor", "--quick"], env={"RPA_TABLE": str(tmp_path / "mine.json"), "RPA_SHIPPED_TABLES": "1"})
+    assert r.returncode == 0, r.stderr
+    out = " ".join(r.stdout.split())
+    assert f"{tmp_path / 'mine.json'}: ok: 1 entries, 1 rejected; all match this kernel" in out
+    for p in sorted((Path(__file__).resolve().parent.parent / "tables").glob("*.json")):
+        assert f"{p}: ok: {len(kt.Table.read(p))} entries" in out
+
+
+def test_no_wrapping_in_pipes(tmp_path):
+    """Piped output keeps every key on one line (no 80-column folding)."""
+    from tables_synth import entry, key, table
+    keys = [key(t=t, l=131072, hq=64, hkv=8) for t in (64, 128)]
+    table(entry(keys[0], (1, 256, 1, 256))).write_json(tmp_path / "old.json")
+    table(*(entry(k, (1, 512, 1, 512)) for k in keys)).write_json(tmp_path / "new.json")
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+    r = subprocess.run([RPA_TUNE, "diff", str(tmp_path / "old.json"), str(tmp_path / "new.json"), "--fields"],
+                       capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 1, r.stderr
+    for k in keys:
+        assert any(k.id() in line for line in r.stdout.splitlines()), r.stdout
+    assert "1 added, 0 removed, 1 changed (1 -> 2 entries)" in r.stdout.splitlines()[-1]

@@ -189,3 +189,44 @@ def test_workers_busy_in_native_code_die_with_a_killed_sweep(fake, tmp_path):
     os.kill(p.pid, signal.SIGKILL)
     p.wait(timeout=30)
     assert not _workers_still_running(workers, 10), "blocked workers outlived the killed sweep"
+
+
+@pytest.mark.parametrize("kv_dtype, bytes_per_value", [("float32", 4), ("bfloat16", 2), ("float8_e4m3fn", 1)])
+def test_kv_bytes_per_token_one_definition(kv_dtype, bytes_per_value):
+    """K and V of every KV head, head_dim padded to 128 lanes: 2 * heads * 128 values of the
+    dtype's size (8 heads: the packing never pads). The kernel's resolution, the search
+    spaces and the heuristic all use this one definition."""
+    import ml_dtypes  # noqa: F401  (registers float8 with NumPy)
+    from kernel.api import kv_bytes_per_token as api_kv_bytes
+    from kernel.config import kv_bytes_per_token
+    from kernel.workload import ModelShape, ServingLimits
+    from rpa_tune.space import context
+    want = 2 * 8 * 128 * bytes_per_value
+    assert kv_bytes_per_token(8, 96, kv_dtype) == want
+    assert api_kv_bytes(dict(num_kv_heads=8, head_dim=96, kv_dtype=kv_dtype)) == want
+    ctx = context(ModelShape(16, 8, 96, "bfloat16", kv_dtype), ServingLimits(), "v6e")
+    assert ctx["kv_bytes_per_token"] == want
+
+
+def test_sweep_key_is_the_key_a_kernel_call_looks_up(monkeypatch):
+    """One TuningKey builder: a sweep records its rows under the key the kernel looks up
+    (max_model_len as whole pages), and its baseline is what export compares against."""
+    from kernel import tables
+    from kernel.api import resolve_block_sizes
+    from kernel.config import Case
+    from kernel.workload import ModelShape, ServingLimits
+    from rpa_tune.engine import problem_key
+    from rpa_tune.export import heuristic_for
+    limits = ServingLimits(page_size=128, max_num_tokens=512, max_model_len=8000)
+    k = problem_key("V6E", Case.PREFILL, ModelShape(32, 8, 128), limits)
+    assert (k.generation, k.case, k.max_model_len, k.max_num_tokens) == ("v6e", "prefill", 63 * 128, 512)
+    assert problem_key("v6e", "decode", ModelShape(32, 8, 128), limits, sliding_window=True).sliding_window
+    dims = dict(max_num_tokens=512, num_q_heads=32, num_kv_heads=8, head_dim=128, page_size=128, pages_per_seq=63,
+                q_dtype="bfloat16", kv_dtype="bfloat16")
+    monkeypatch.setenv("RPA_TABLE", "none")
+    monkeypatch.delenv("RPA_P_BLOCK_SIZES", raising=False)
+    tables.reset()
+    try:
+        assert resolve_block_sizes(Case.PREFILL, None, generation="v6e", dims=dims) == (heuristic_for(k), "heuristic")
+    finally:
+        tables.reset()

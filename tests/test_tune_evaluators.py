@@ -248,3 +248,19 @@ def test_reference_mismatches_names_each_problem():
     near = ref_out + 0.025 * (1 + np.abs(ref_out))
     assert reference_mismatches(near, ref_cache, ref_out, ref_cache, 5, "float8_e4m3fn") == []
     assert reference_mismatches(near, ref_cache, ref_out, ref_cache, 5, "bfloat16") != []
+
+
+def test_registry_knows_every_backend_and_base_knows_none():
+    """The registry lives where the subclasses are known (rpa_tune.evaluators); base.py
+    defines the interface only."""
+    import inspect
+    import rpa_tune.evaluators as ev
+    from rpa_tune.evaluators import base
+    for b in ev.BACKENDS:
+        cls = ev.evaluator_class(b)
+        assert issubclass(cls, ev.Evaluator) and cls.name == b
+        assert ev.evaluator_version(b) == f"{b}-{cls.version}"
+    with pytest.raises(ValueError, match="unknown backend 'gpu'; valid: compile, interpret, tpu"):
+        ev.evaluator_class("gpu")
+    src = inspect.getsource(base)
+    assert "CompileEvaluator" not in src and "InterpretEvaluator" not in src and "TpuEvaluator" not in src

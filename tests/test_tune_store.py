@@ -87,12 +87,37 @@ def test_kernel_hash_follows_the_result_inputs_only(tmp_path, monkeypatch):
     copy = tmp_path / "kernel"
     shutil.copytree(provenance.KERNEL_DIR, copy)
     monkeypatch.delenv(provenance.KERNEL_HASH_ENV, raising=False)
-    monkeypatch.setattr(provenance, "KERNEL_DIR", copy)
-    h0 = provenance.kernel_hash()
-    (copy / "tables.py").write_text((copy / "tables.py").read_text() + "\n# edited\n")
-    assert provenance.kernel_hash() == h0
+    from kernel import provenance as kernel_provenance    # where both hashes are defined
+    monkeypatch.setattr(kernel_provenance, "KERNEL_DIR", copy)
+    h0 = provenance.result_inputs_hash()
+    (copy / "tables" / "loading.py").write_text((copy / "tables" / "loading.py").read_text() + "\n# edited\n")
+    assert provenance.result_inputs_hash() == h0
     for name in ("rpa.py", "analysis.py"):
         (copy / name).write_text((copy / name).read_text() + "\n# edited\n")
-        h1 = provenance.kernel_hash()
+        h1 = provenance.result_inputs_hash()
         assert h1 != h0
         h0 = h1
+
+
+def test_one_reader_one_policy_for_a_damaged_file(tmp_path, caplog):
+    """The store, export and compaction read results through one reader: a damaged file is
+    skipped and named, the other files are read, and compaction never deletes it."""
+    import logging
+    from rpa_tune import export as ex
+    from rpa_tune.store import read_results_table
+    from tables_synth import key, row, write_results
+    k = key()
+    write_results(tmp_path / "res", [row(k, (1, 256, 1, 256), 1e-4)], name="a.parquet")
+    write_results(tmp_path / "res", [row(k, (1, 512, 1, 256), 2e-4)], name="b.parquet")
+    (tmp_path / "res" / "c.parquet").write_bytes(b"PAR1 not really")
+    caplog.set_level(logging.WARNING, logger="rpa_tune.store")
+    got = read_results_table([tmp_path / "res"])
+    assert got.table.num_rows == 2 and got.table.schema.names == list(COLUMNS)
+    assert [f for f, _ in got.damaged] == [str(tmp_path / "res" / "c.parquet")]
+    assert any("c.parquet" in r.getMessage() for r in caplog.records)
+    assert len(ResultStore(tmp_path / "res").read()) == 2
+    df = ex.read_results([tmp_path / "res"])
+    assert len(df) == 2 and [f for f, _ in df.attrs["damaged"]] == [str(tmp_path / "res" / "c.parquet")]
+    ex.compact_results(tmp_path / "res")
+    assert sorted(p.name for p in (tmp_path / "res").glob("*.parquet")) == ["c.parquet", "results.parquet"]
+    assert len(ResultStore(tmp_path / "res").read()) == 2

@@ -1,6 +1,49 @@
-"""Evaluators: one interface (``base.Evaluator``), three backends (compile, interpret, tpu)."""
-from .base import (BACKENDS, COMPILE_ERROR, CRASH, OK, STATUSES, TIMEOUT, VMEM_OOM, WRONG_RESULT, EvalResult,
-                   Evaluator, Task, get_evaluator)
+"""Evaluators: one interface (``base.Evaluator``), three backends (compile, interpret, tpu),
+and the registry that knows them (here, where the subclasses are known; ``base`` knows
+none of them). Backends are imported on first use: the compile backend loads libtpu.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+
+from .base import (BACKENDS, COMPILE_ERROR, CRASH, EVALUATOR_OVERRIDE_ENV, OK, STATUSES, TIMEOUT, VMEM_OOM,
+                   WRONG_RESULT, EvalResult, Evaluator, Task)
+
+# backend name -> "module:class" (relative to this package)
+REGISTRY = {
+    "compile": ".compile:CompileEvaluator",
+    "interpret": ".interpret:InterpretEvaluator",
+    "tpu": ".tpu:TpuEvaluator",
+}
+assert set(REGISTRY) == set(BACKENDS)
+
+
+def evaluator_class(backend: str) -> type[Evaluator]:
+    try:
+        module, _, name = REGISTRY[backend].partition(":")
+    except KeyError:
+        raise ValueError(f"unknown backend {backend!r}; valid: {', '.join(REGISTRY)}") from None
+    return getattr(importlib.import_module(module, __name__), name)
+
+
+def get_evaluator(backend: str) -> Evaluator:
+    """A fresh evaluator of ``backend`` (``$RPA_TUNE_EVALUATOR_OVERRIDE``: a test's factory)."""
+    override = os.environ.get(EVALUATOR_OVERRIDE_ENV)
+    if override:
+        mod, _, attr = override.partition(":")
+        return getattr(importlib.import_module(mod), attr or "make_evaluator")(backend)
+    return evaluator_class(backend)()
+
+
+def evaluator_version(backend: str) -> str:
+    """Version string of a backend's evaluator (part of ``config_id``), without instantiating it."""
+    override = os.environ.get(EVALUATOR_OVERRIDE_ENV)
+    if override:
+        return "override:" + override
+    cls = evaluator_class(backend)
+    return f"{cls.name}-{cls.version}"
+
 
 __all__ = ["BACKENDS", "COMPILE_ERROR", "CRASH", "OK", "STATUSES", "TIMEOUT", "VMEM_OOM", "WRONG_RESULT",
-           "EvalResult", "Evaluator", "Task", "get_evaluator"]
+           "EvalResult", "Evaluator", "REGISTRY", "Task", "evaluator_class", "evaluator_version", "get_evaluator"]

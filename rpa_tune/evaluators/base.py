@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-import importlib
 import math
 import os
 
@@ -166,37 +165,3 @@ def raised_vmem_limit(reported_bytes: int, current_limit: int, capacity: int) ->
     want = -(-int(reported_bytes * 1.05 + mib) // mib) * mib
     want = min(want, int(capacity))
     return want if want > current_limit and reported_bytes <= capacity else None
-
-
-# --------------------------------------------------------------------- registry
-def get_evaluator(backend: str) -> Evaluator:
-    override = os.environ.get(EVALUATOR_OVERRIDE_ENV)
-    if override:
-        mod, _, attr = override.partition(":")
-        return getattr(importlib.import_module(mod), attr or "make_evaluator")(backend)
-    if backend == "compile":
-        from .compile import CompileEvaluator
-        return CompileEvaluator()
-    if backend == "interpret":
-        from .interpret import InterpretEvaluator
-        return InterpretEvaluator()
-    if backend == "tpu":
-        from .tpu import TpuEvaluator
-        return TpuEvaluator()
-    raise ValueError(f"unknown backend {backend!r}; valid: {BACKENDS}")
-
-
-def evaluator_version(backend: str) -> str:
-    """Version string of a backend's evaluator without instantiating heavy state."""
-    override = os.environ.get(EVALUATOR_OVERRIDE_ENV)
-    if override:
-        return "override:" + override
-    if backend == "compile":
-        from .compile import CompileEvaluator as E
-    elif backend == "interpret":
-        from .interpret import InterpretEvaluator as E
-    elif backend == "tpu":
-        from .tpu import TpuEvaluator as E
-    else:
-        raise ValueError(f"unknown backend {backend!r}; valid: {BACKENDS}")
-    return f"{E.name}-{E.version}"

@@ -1,0 +1,134 @@
+"""Reading the table files a process uses: ``$RPA_TABLE``, then the shipped tables; a bad
+file or entry is skipped with one warning, never raised."""
+from __future__ import annotations
+
+import dataclasses
+import importlib.resources
+import logging
+import os
+from pathlib import Path
+from typing import Iterable
+
+from ..provenance import kernel_source_hash, libtpu_version
+from .env import ENV_SHIPPED, ENV_STRICT, ENV_TABLE, env_flag
+from .index import TableIndex
+from .schema import Table, TableError
+
+log = logging.getLogger("kernel.tables")
+
+@dataclasses.dataclass
+class LoadedTables:
+    index: TableIndex
+    files: list[tuple[str, str]]        # (path, "ok: N entries" | problem)
+    warnings: list[str]
+
+
+def shipped_table_dir() -> Path | None:
+    """The shipped tables: package data ``kernel/_tables`` of an installed wheel (read with
+    ``importlib.resources``), else ``tables/`` at the root of the source checkout holding
+    the ``kernel`` package (what people edit; the wheel is built from it, see
+    pyproject.toml)."""
+    data = importlib.resources.files("kernel").joinpath("_tables")
+    if data.is_dir():
+        return Path(str(data))
+    repo = Path(__file__).resolve().parents[2]
+    if (repo / "tables").is_dir() and (repo / "pyproject.toml").is_file():
+        return repo / "tables"
+    return None
+
+
+def _table_files(path: Path) -> list[Path]:
+    if path.is_dir():
+        return sorted(p for p in path.iterdir() if p.suffix == ".json" and p.is_file())
+    return [path]   # Table.read refuses anything but a regular file
+
+
+def _strict() -> bool:
+    return env_flag(ENV_STRICT)
+
+
+def _compat_filter(table: Table, path: str, strict: bool, warn) -> Table:
+    cur_hash, cur_libtpu = kernel_source_hash(), libtpu_version()
+    bad_hash = sorted({e.provenance.get("kernel_hash") for e in table.entries
+                       if e.provenance.get("kernel_hash") not in (None, cur_hash)})
+    bad_lib = sorted({e.provenance.get("libtpu_version") for e in table.entries
+                      if cur_libtpu is not None
+                      and e.provenance.get("libtpu_version") not in (None, cur_libtpu)})
+    if not bad_hash and not bad_lib:
+        return table
+    problems = []
+    if bad_hash:
+        problems.append(f"tuned for kernel source hash {', '.join(bad_hash)} (current {cur_hash})")
+    if bad_lib:
+        problems.append(f"tuned with libtpu {', '.join(bad_lib)} (installed {cur_libtpu})")
+    n_bad = sum(1 for e in table.entries
+                if e.provenance.get("kernel_hash") in bad_hash or e.provenance.get("libtpu_version") in bad_lib)
+    if strict:
+        warn(f"rpa table {path}: {n_bad} of {len(table)} entries {' and '.join(problems)}; "
+             f"refusing them ({ENV_STRICT}=1)")
+        keep = tuple(e for e in table.entries if e.provenance.get("kernel_hash") not in bad_hash
+                     and e.provenance.get("libtpu_version") not in bad_lib)
+        return Table(keep, table.info, table.schema_version)
+    warn(f"rpa table {path}: {n_bad} of {len(table)} entries {' and '.join(problems)}; using them "
+         f"anyway (set {ENV_STRICT}=1 to refuse)")
+    return table
+
+
+def load_tables(paths: Iterable | None = None, *, shipped: bool | None = None,
+                strict: bool | None = None) -> LoadedTables:
+    """Read tables (never raises for a bad file: one warning per file, then skipped).
+
+    Defaults come from the environment: ``paths`` from ``$RPA_TABLE`` (``none`` disables
+    every table), ``shipped`` from ``$RPA_SHIPPED_TABLES`` (default on), ``strict`` from
+    ``$RPA_TABLE_STRICT``.
+    """
+    warnings_: list[str] = []
+
+    def warn(msg):
+        warnings_.append(msg)
+        log.warning(msg)
+
+    if paths is None:
+        raw = os.environ.get(ENV_TABLE, "")
+        if raw.strip().lower() == "none":
+            return LoadedTables(TableIndex(), [], [])
+        paths = [p for p in raw.split(os.pathsep) if p.strip()]
+    if shipped is None:
+        shipped = os.environ.get(ENV_SHIPPED, "1").strip().lower() not in ("0", "false", "no", "off")
+    if strict is None:
+        strict = _strict()
+    index = TableIndex()
+    files = []
+    sources = [(Path(p).expanduser(), True) for p in paths]
+    if shipped:
+        d = shipped_table_dir()
+        if d is not None:
+            sources.append((d, False))
+        else:
+            log.info("no shipped rpa tables found (looked for tables/ next to the kernel package)")
+    for src, user in sources:
+        if not src.exists():
+            msg = f"rpa table {src}: does not exist; falling back to the heuristic for its keys"
+            (warn if user else log.info)(msg)
+            files.append((str(src), "missing"))
+            continue
+        for f in _table_files(src):
+            rejected = []
+            try:
+                table = Table.read(f, on_bad_entry=rejected.append)
+            except TableError as e:
+                warn(f"rpa table {f}: {e}; ignoring this file (the heuristic applies)")
+                files.append((str(f), f"ignored: {e}"))
+                continue
+            except Exception as e:  # noqa: BLE001 - serving must not break on a table
+                warn(f"rpa table {f}: unexpected error {type(e).__name__}: {e}; ignoring this file")
+                files.append((str(f), f"ignored: {e}"))
+                continue
+            for msg in rejected:
+                warn(f"rpa table {f}: {msg}; ignoring this entry (the heuristic applies for its key)")
+            other = sum(1 for e in table.entries if e.provenance.get("kernel_hash") not in (None, kernel_source_hash()))
+            table = _compat_filter(table, str(f), strict, warn)
+            n = index.add(table, str(f))
+            files.append((str(f), f"ok: {n} entries" + (f", {len(rejected)} rejected" if rejected else "")
+                          + (f", {other} tuned for another kernel source hash" if other else "")))
+    return LoadedTables(index, files, warnings_)
