@@ -5,6 +5,7 @@ Registered on the main Typer app by ``register(app)`` (one line in ``rpa_tune/cl
 from __future__ import annotations
 
 import json
+import contextlib
 import logging
 import os
 import sys
@@ -22,6 +23,19 @@ from .ui import _console
 console = _console()
 err_console = _console(stderr=True)
 
+
+
+@contextlib.contextmanager
+def _logger_off(name: str):
+    """Silence one logger for a block (not for the rest of the process: a library user or a
+    test calling the command keeps its warnings afterwards)."""
+    lg = logging.getLogger(name)
+    was = lg.disabled
+    lg.disabled = True
+    try:
+        yield
+    finally:
+        lg.disabled = was
 
 def _fmt_bs(bs) -> str:
     return "-" if bs is None else f"({bs.bq}, {bs.bkv}, {bs.cq}, {bs.ckv})"
@@ -66,9 +80,9 @@ def export_cmd(
     from rpa_tune.export import build_tables, check_tables, merge_tables, read_results, write_tables
     if out.exists() and not out.is_dir():
         fail(f"--out {str(out)!r} exists and is not a directory")
-    logging.getLogger("rpa_tune.store").disabled = True      # damaged files: reported below, once
     try:
-        df = read_results(results)
+        with _logger_off("rpa_tune.store"):      # damaged files: reported below, once
+            df = read_results(results)
     except (FileNotFoundError, ValueError) as e:
         fail(str(e))
     if len(df) == 0:

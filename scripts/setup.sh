@@ -13,9 +13,26 @@ PY=$(find_python) || { echo "setup: Python 3.12 not found (set PYTHON=/path/to/p
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
-.venv/bin/python -m pip install -q --upgrade pip >/dev/null
-.venv/bin/python -m pip install -q -e ".[test]"
+# PyPI downloads here are sometimes cut mid-file (libtpu is 200+ MB): pip resumes
+# partial downloads, and a failed install is retried whole a few times before giving up.
+pip_install() {
+  local attempt
+  for attempt in 1 2 3 4; do
+    if .venv/bin/python -m pip install -q --timeout 60 $RESUME "$@"; then return 0; fi
+    echo "setup: pip install $* failed (attempt $attempt of 4); retrying in $((attempt * 10)) s" >&2
+    sleep $((attempt * 10))
+  done
+  echo "setup: pip install $* failed 4 times; check the network and run scripts/setup.sh again" >&2
+  return 1
+}
+RESUME=""
+pip_install --upgrade pip >/dev/null
+# --resume-retries exists from pip 25.1 on (the line above installs a newer pip).
+if .venv/bin/python -m pip install --help 2>/dev/null | grep -q -- --resume-retries; then
+  RESUME="--resume-retries 30"
+fi
+pip_install -e ".[test]"
 # The public RPA v3 kernel (compared side by side by rpa_tune.estimator.public). No deps:
 # tpu-inference's dependencies pull in vllm; its kernel module needs only jax.
-.venv/bin/python -m pip install -q --no-deps tpu-inference==0.32.0
+pip_install --no-deps tpu-inference==0.32.0
 echo "setup: .venv ready ($(.venv/bin/python --version))" >&2
