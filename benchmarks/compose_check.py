@@ -57,6 +57,21 @@ def workloads() -> list[tuple[str, Workload]]:
     ]
 
 
+def recorded(cache: dict, gen: str, case: Case) -> tuple[str, dict] | None:
+    """``(kernel hash, record)`` of the newest recorded probe set of ``gen`` / ``case`` whose
+    probes are today's ``compose.probes`` (older probe shapes cannot be refitted by today's
+    ``compose.fit``); the whole compiles of that kernel hash go with it."""
+    bs = CONFIGS[case]
+    want = [[list(p.q_lens), list(p.kv_lens)] for p in compose.probes(case, bs, PAGE_SIZE)]
+    found = None
+    for key, r in cache.items():
+        g, what, *rest = json.loads(key)
+        if (g == gen and what == "probes" and rest[0] == case.value and rest[1] == list(bs)
+                and [[p["q_lens"], p["kv_lens"]] for p in r["probes"]] == want):
+            found = (rest[-1], r)
+    return found
+
+
 def case_of(w: Workload) -> Case:
     return next(c for c in Case if w.case_range(c)[1] > w.case_range(c)[0])
 
@@ -65,9 +80,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tpu", action="append", default=None)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--case", action="append", choices=[c.value for c in Case], default=None,
+                    help="only these cases (repeatable; default all)")
     ap.add_argument("--recorded", action="store_true",
-                    help="no compile: the table from the recorded probes and whole compiles of the kernel "
-                         "version with the most records (refitted with today's composition)")
+                    help="no compile: the table from the recorded probes and whole compiles (per generation "
+                         "and case, the newest kernel version recorded with today's probes), refitted "
+                         "with today's composition")
     args = ap.parse_args()
     lines = ["| gen | workload | config | full (cycles) | composed | error | full compile | max RSS |",
              "|---|---|---|---:|---:|---:|---:|---:|"]
@@ -76,19 +94,23 @@ def main() -> None:
         with open(CACHE) as f:
             cache = {d["key"]: d for d in map(json.loads, f)}
     limits = ServingLimits(page_size=PAGE_SIZE, max_num_tokens=2048, max_num_seqs=128, max_model_len=16384)
-    kh = kernel_hash()
-    if args.recorded:
-        import collections
-        kh = collections.Counter(json.loads(k)[-1] for k in cache).most_common(1)[0][0]
-        print(f"recorded measurements of kernel source hash {kh}", flush=True)
     for gen in args.tpu or ["v6e"]:
-        models = {}
+        models, hashes = {}, {}
         for name, w in workloads():
             case = case_of(w)
             bs = CONFIGS[case]
+            if args.case and case.value not in args.case:
+                continue
+            if case not in hashes:
+                found = recorded(cache, gen, case) if args.recorded else None
+                hashes[case] = found[0] if found else kernel_hash()
+                if args.recorded:
+                    print(f"{gen} {case.value}: recorded measurements of kernel source hash "
+                          f"{hashes[case] if found else '(none with today probes)'}", flush=True)
+            kh = hashes[case]
             pkey = json.dumps([gen, "probes", case.value, list(bs), kh])
             if case not in models and args.recorded:
-                rec = cache.get(pkey)
+                rec = found and found[1]
                 models[case] = rec and compose.fit(case, bs, PAGE_SIZE, [
                     compose.Probe(tuple(p["q_lens"]), tuple(p["kv_lens"])) for p in rec["probes"]],
                     [p["cycles"] for p in rec["probes"]])

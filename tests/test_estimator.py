@@ -116,22 +116,19 @@ def test_composed_matches_a_full_compile_and_ignores_sequence_order(tmp_path, mo
 
 
 
-_SHORT_DECODE_GAP = pytest.mark.xfail(
-    strict=True, reason="decode, many short sequences: probes of at most 3 sequences price 12-16 "
-    "sequences 5-10 % low on TPU7x and v5e (benchmarks/README.md, Composition); needs a probe with "
-    "more sequences")
+# Composed workloads known to land just outside 5 % (benchmarks/README.md, "Composition"):
+# checked at their recorded error bound instead; one that comes back within 5 % fails, so
+# this list and the README stay true.
+KNOWN_COMPOSITION_GAPS = {("v5e", "decode 12 x 700"): 0.06}
 
 
-@pytest.mark.parametrize("gen,case", [
-    ("v6e", "decode"), ("v6e", "prefill"), ("v6e", "mixed"), ("tpu7x", "prefill"), ("tpu7x", "mixed"),
-    pytest.param("tpu7x", "decode", marks=_SHORT_DECODE_GAP), pytest.param("v5e", "decode", marks=_SHORT_DECODE_GAP)])
+@pytest.mark.parametrize("gen,case", [(g, c) for g in ("v6e", "tpu7x", "v5e") for c in ("decode", "prefill", "mixed")])
 def test_recorded_probes_price_recorded_full_compiles(gen, case):
     """The composition rule against the compiler, from recorded measurements: the probe
     cycles and whole-workload cycles that benchmarks/compose_check.py measured (its jsonl)
     are refitted with today's ``compose.fit`` and ``kernel.steps`` plan, and every composed
     workload must land within 5 % of its whole compile. Changing the step plan, the priced
-    items or the fit without re-measuring fails here."""
-    import collections
+    items, the probes or the fit without re-measuring fails here."""
     import json
     import os
     import sys
@@ -139,22 +136,48 @@ def test_recorded_probes_price_recorded_full_compiles(gen, case):
     import compose_check as cc
     with open(cc.CACHE) as f:
         recs = {d["key"]: d for d in map(json.loads, f)}
-    # the kernel version with the most records (the recorded data need not be of today's
-    # kernel: this checks the composition rule, test_step_plan_... checks today's kernel)
-    hashes = collections.Counter(json.loads(k)[-1] for k in recs)
-    kh = hashes.most_common(1)[0][0]
+    # the newest kernel version recorded with today's probes (the recorded data need not be
+    # of today's kernel: this checks the composition rule, test_step_plan_... checks today's kernel)
+    found = cc.recorded(recs, gen, Case.parse(case))
+    if found is None:
+        pytest.skip(f"no recorded {gen} {case} probes of today's probe shapes (run benchmarks/compose_check.py)")
+    kh, r = found
+    bs = cc.CONFIGS[Case.parse(case)]
+    plist = [compose.Probe(tuple(p["q_lens"]), tuple(p["kv_lens"])) for p in r["probes"]]
+    model = compose.fit(case, bs, cc.PAGE_SIZE, plist, [p["cycles"] for p in r["probes"]])
     checked = 0
-    for key, r in recs.items():
-        g, what, *rest = json.loads(key)
-        if what != "probes" or rest[-1] != kh or g != gen or rest[0] != case:
+    for name, w in cc.workloads():
+        full = recs.get(json.dumps([gen, name, list(bs), kh]))
+        if cc.case_of(w) != Case.parse(case) or not full or full["status"] != "ok":
             continue
-        bs = BlockSizes(*rest[1])
-        plist = [compose.Probe(tuple(p["q_lens"]), tuple(p["kv_lens"])) for p in r["probes"]]
-        model = compose.fit(case, bs, cc.PAGE_SIZE, plist, [p["cycles"] for p in r["probes"]])
-        for name, w in cc.workloads():
-            full = recs.get(json.dumps([gen, name, list(bs), kh]))
-            if cc.case_of(w) != Case.parse(case) or cc.CONFIGS[Case.parse(case)] != bs or not full or full["status"] != "ok":
-                continue
-            assert model.cycles(w) == pytest.approx(full["cycles"], rel=0.05), (gen, name)
-            checked += 1
+        err = model.cycles(w) / full["cycles"] - 1
+        gap = KNOWN_COMPOSITION_GAPS.get((gen, name))
+        if gap is None:
+            assert abs(err) <= 0.05, (gen, name, err)
+        else:
+            assert 0.05 < abs(err) <= gap, (f"{gen} {name}: {err:+.1%}; update KNOWN_COMPOSITION_GAPS and "
+                                            "benchmarks/README.md")
+        checked += 1
     assert checked >= 4
+
+
+def test_decode_pipeline_model_bounds_and_fit():
+    """Decode's two-stage pipeline: many full steps cost their DMA when DMA is the larger
+    stage and their compute otherwise; the fit recovers the costs that generated the
+    probes' cycles (a synthetic kernel: no compiler involved)."""
+    bs = BlockSizes(1, 1024, 1, 512)
+    full = compose.pipeline_steps(bs, 128, [1025] * 40)          # 40 sequences, one 8-page step each
+    dma_bound = (100.0, 50.0, 500.0, 200.0, 100.0, 800.0)       # DMA 6500 > compute 50 + 500 + 400
+    cpu_bound = (100.0, 50.0, 5000.0, 2000.0, 100.0, 100.0)     # compute 9050 > DMA 900
+    per_seq = lambda th: (compose.pipeline_cycles(th, full) - compose.pipeline_cycles(th, full[:20])) / 20
+    assert per_seq(dma_bound) == pytest.approx(100 + 8 * 800)
+    assert per_seq(cpu_bound) == pytest.approx(50 + 5000 + 2 * 2000)
+    truth = (3000.0, 400.0, 300.0, 1500.0, 200.0, 900.0)
+    plist = compose.probes("decode", bs, 128)
+    cycles = [compose.pipeline_cycles(truth, compose.pipeline_steps(bs, 128, p.kv_lens)) for p in plist]
+    m = compose.fit("decode", bs, 128, plist, cycles)
+    assert m.kind == "pipeline" and m.probe_fit_error < 1e-3
+    for kvs in ([700] * 12, [513, 3001, 77, 8193], [2049] * 16):
+        w = Workload.of_case("decode", [1] * len(kvs), kvs)
+        want = compose.pipeline_cycles(truth, compose.pipeline_steps(bs, 128, kvs))
+        assert m.cycles(w) == pytest.approx(want, rel=0.01)

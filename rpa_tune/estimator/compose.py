@@ -1,16 +1,21 @@
 """A config's cost for any workload, from a few small probe compiles.
 
 libtpu's static profiler simulates what it compiles, so its time and memory grow with the
-workload (a full 128 x 2K decode on v6e: 56 s and 3.9 GB; prefill chunks more). The kernel's
-cost is, up to pipeline fill at the ends, a sum over what it walks: a fixed cost per call,
-per sequence, per q block, per KV step (from the cache or from the new tokens), per page
-DMA and per ``ckv`` chunk computed (``kernel.steps.features``). So per config we compile a
-handful of small *probe* workloads, each a real program of the kernel (the same code path
-as serving: one pipeline across all sequences), fit those per-item costs by least squares
-(the probes are chosen so that their differences isolate each item: pipeline fill cancels
-in the differences), and price any workload by counting its items. The same probes price
-every workload and token bucket of a key. ``benchmarks/README.md`` has the check against
-full compiles.
+workload (a full 128 x 2K decode on v6e: 56 s and 3.9 GB; prefill chunks more). So per
+config we compile a handful of small *probe* workloads, each a real program of the kernel
+(the same code path as serving: one pipeline across all sequences), fit a cost model to
+their cycles and price any workload from the kernel's own walk over it (``kernel.steps``):
+
+* prefill / mixed: a sum of per-item costs (per call, sequence, q block, KV step, cached
+  page; ``case_features``), fitted by least squares; the probes' differences isolate each
+  item, so pipeline fill cancels;
+* decode: a two-stage pipeline (``pipeline_cycles``: each KV step's page DMAs overlap the
+  previous step's compute), six costs fitted to eight probes of 4-8 sequences. Where HBM
+  is the bound (v5e, TPU7x) a step costs its DMA or its compute, whichever is larger, which
+  no sum of item costs can express.
+
+The same probes price every workload and token bucket of a key. ``benchmarks/README.md``
+("Composition") has the check against full compiles.
 """
 from __future__ import annotations
 
@@ -19,7 +24,7 @@ import dataclasses
 import numpy as np
 
 from kernel.config import BlockSizes, Case
-from kernel.steps import FEATURES, features
+from kernel.steps import FEATURES, features, plan
 from kernel.workload import Workload
 
 
@@ -33,31 +38,90 @@ class Probe:
 
 
 def probes(case: Case | str, bs: BlockSizes, page_size: int) -> list[Probe]:
-    """The probe workloads of one config (small: at most three sequences, two q blocks)."""
+    """The probe workloads of one config. Decode: eight batches of 4-8 sequences (one page,
+    a part step, three pages, one full step, two full steps), enough steps for the pipeline
+    to reach its steady state, where a step costs the larger of its compute and its page
+    DMAs (``pipeline_cycles``). Prefill / mixed: at most three sequences, two q blocks."""
     case = Case.parse(case)
     bq, bkv, _, ckv = bs
     P = page_size
     if case == Case.DECODE:
-        part = ckv if ckv < bkv else max(P, (bkv // 2) // P * P)
-        shapes = [(1, bkv), (2, bkv), (2, 2 * bkv), (2, bkv + P), (2, bkv + part), (3, 2 * bkv)]
-        return [Probe((1,) * n, (ctx + 1,) * n) for n, ctx in shapes]
+        part = ckv + P if ckv + P < bkv else max(P, (bkv // 2) // P * P + P)
+        mid = min(bkv, 3 * P)
+        shapes = [(4, P), (8, P), (4, min(part, bkv)), (4, mid), (4, bkv), (8, bkv), (4, 2 * bkv), (5, 2 * bkv)]
+        seen, out = set(), []
+        for n, ctx in shapes:
+            if (n, ctx) not in seen:
+                seen.add((n, ctx))
+                out.append(Probe((1,) * n, (ctx + 1,) * n))
+        return out
     one = [(bq, bq)]
     return [Probe(*zip(*s)) for s in (
         one, [(bq, bq + bkv)], [(bq, bq + 2 * bkv)], [(2 * bq, 2 * bq)], one * 2, [(bq, bq + P)],
         [(bq, bq + bkv + P)])]
 
 
+# ------------------------------------------------------------------ decode: a two-stage pipeline
+PIPELINE_PARAMS = ("call", "seq", "step", "chunk", "dma_step", "dma_page")
+
+
+def pipeline_steps(bs: BlockSizes, page_size: int, kv_lens, sliding_window=None) -> list[tuple[int, int, bool]]:
+    """Decode's KV steps in kernel order: (pages fetched, chunks computed, first of its sequence)."""
+    out = []
+    for kv in kv_lens:
+        for i, st in enumerate(plan(Case.DECODE, bs, page_size, 1, kv, sliding_window)[0]):
+            out.append((st.pages, st.chunks, i == 0))
+    return out
+
+
+def pipeline_cycles(theta, steps) -> float:
+    """Cycles of decode's double-buffered walk: the pages of step k+1 are fetched while step k
+    computes (the DMA of a step is issued when the previous step starts computing, and DMAs
+    run one after another); a step computes once its pages have landed and the previous step
+    is done. Compute of a step: ``step + chunk * chunks`` (+ ``seq`` at a sequence's first
+    step); its DMA: ``dma_step + dma_page * pages``; ``call`` before the first step.
+
+    A sum of per-item costs cannot price decode where HBM is the bound (v5e, TPU7x): a
+    step costs its compute when its pages are few and its DMA when they are many, so a
+    linear fit priced 12-16 short sequences 5-10 % low there (benchmarks/README.md)."""
+    call, seq, c0, c1, d0, d1 = theta
+    dma_done = issue = 0.0
+    comp_end = call
+    for pages, chunks, first in steps:
+        dma_done = max(issue, dma_done) + d0 + d1 * pages
+        start = max(comp_end + (seq if first else 0.0), dma_done)
+        issue = start
+        comp_end = start + c0 + c1 * chunks
+    return comp_end
+
+
+def _fit_pipeline(step_lists, cycles) -> tuple[np.ndarray, np.ndarray]:
+    from scipy.optimize import least_squares
+    y = np.asarray(cycles, dtype=np.float64)
+
+    def resid(th):
+        return np.array([pipeline_cycles(th, st) for st in step_lists]) / y - 1.0
+
+    scale = float(np.median(y)) / 10
+    best = None
+    for x0 in ([1.0, 0.4, 0.4, 0.2, 0.2, 0.16], [2.0, 0.1, 0.6, 0.1, 0.1, 0.18], [0.4, 0.6, 0.2, 0.4, 0.4, 0.1]):
+        r = least_squares(resid, x0=np.asarray(x0) * scale, bounds=(0, np.inf), x_scale=scale)
+        if best is None or r.cost < best.cost:
+            best = r
+    return best.x, np.abs(best.fun)
+
+
 def case_features(case: Case | str) -> tuple[str, ...]:
-    """The items priced for a case. Decode: all of ``kernel.steps.FEATURES`` (it computes
-    only the chunks holding visible keys, so chunks vary apart from steps). Prefill / mixed
-    compute every chunk of a step, so chunks are steps x ``bkv / ckv``; and a step of new
+    """The items priced for a case. Decode: the costs of its pipeline model
+    (``PIPELINE_PARAMS``; it computes only the chunks holding visible keys, so chunks vary
+    apart from steps). Prefill / mixed compute every chunk of a step, so chunks are steps x ``bkv / ckv``; and a step of new
     tokens costs what a cached step costs (the same compute; its KV comes from the new-KV
     array instead of pages). Pricing new steps and their pages apart was wrong: in every
     small probe each q block has exactly one new step, so those items were collinear with
     q blocks, and a 1K causal sequence (q blocks with two new steps) came out 10 % high on
     v6e; with one step item it is within 2 % (benchmarks/README.md, "Estimator")."""
     if Case.parse(case) == Case.DECODE:
-        return FEATURES
+        return PIPELINE_PARAMS
     return ("call", "seq", "qblock", "step", "page_cached")
 
 
@@ -74,17 +138,25 @@ def design(case: Case | str, bs: BlockSizes, page_size: int, workloads, sliding_
 
 @dataclasses.dataclass(frozen=True)
 class CostModel:
-    """Cycles = sum of per-item costs x item counts (``case_features``)."""
+    """Prefill / mixed (``kind`` "linear"): cycles = sum of per-item costs x item counts
+    (``case_features``). Decode (``kind`` "pipeline"): ``coef`` are ``PIPELINE_PARAMS`` and the
+    cycles come from ``pipeline_cycles`` over the workload's steps."""
 
     case: str
     block_sizes: tuple
     page_size: int
-    coef: tuple                 # cycles per item, ``case_features(case)`` order
+    coef: tuple                 # cycles per item / pipeline cost, ``case_features(case)`` order
     probe_cycles: tuple
     probe_fit_error: float      # largest relative residual of a probe
     sliding_window: int | None = None
+    kind: str = "linear"
 
     def cycles(self, workload: Workload) -> float:
+        if self.kind == "pipeline":
+            lo, hi = workload.case_range(Case.DECODE)
+            steps = pipeline_steps(BlockSizes(*self.block_sizes), self.page_size, workload.kv_lens[lo:hi],
+                                   self.sliding_window)
+            return pipeline_cycles(self.coef, steps)
         x = design(self.case, BlockSizes(*self.block_sizes), self.page_size, [workload], self.sliding_window)[0]
         return float(x @ np.asarray(self.coef))
 
@@ -94,10 +166,16 @@ class CostModel:
 
 def fit(case: Case | str, bs: BlockSizes, page_size: int, probe_list: list[Probe], cycles: list[float],
         sliding_window=None) -> CostModel:
-    """Least-squares per-item costs from the probes' cycles. Items that never vary across
+    """Decode: the pipeline's six costs by least squares on relative error (non-negative).
+    Prefill / mixed: least-squares per-item costs from the probes' cycles. Items that never vary across
     the probes (always collinear with another, e.g. decode's q blocks with its sequences)
     get the minimum-norm share, which prices workloads of the same structure exactly."""
     case = Case.parse(case)
+    if case == Case.DECODE:
+        coef, resid = _fit_pipeline([pipeline_steps(bs, page_size, p.kv_lens, sliding_window) for p in probe_list],
+                                    cycles)
+        return CostModel(case.value, tuple(bs), page_size, tuple(float(c) for c in coef),
+                         tuple(float(c) for c in cycles), float(resid.max()), sliding_window, "pipeline")
     X = design(case, bs, page_size, [p.workload(case) for p in probe_list], sliding_window)
     y = np.asarray(cycles, dtype=np.float64)
     coef, *_ = np.linalg.lstsq(X, y, rcond=None)
@@ -121,7 +199,7 @@ def _cache_key(doc: dict) -> str:
     return hashlib.sha256(json.dumps(full, sort_keys=True).encode()).hexdigest()[:24]
 
 
-PROBE_VERSION = "1"     # the probe workloads (``probes``); the fit is redone from cached cycles
+PROBE_VERSION = "2"     # the probe workloads (``probes``); the fit is redone from cached cycles
 
 
 def probe_config(*, builder: str, case: Case | str, bs: BlockSizes, tpu: str, model: dict, limits: dict,
