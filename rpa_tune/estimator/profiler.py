@@ -95,6 +95,10 @@ def profile(builder: str, request: dict, *, timeout: float | None = 600, rss_cap
                  extra_libtpu_args]
         env["LIBTPU_INIT_ARGS"] = " ".join(f for f in flags if f)
         env["JAX_PLATFORMS"] = ""
+        # libtpu logs to /tmp/tpu_logs by default, and the bundle-trace dump logs a stack
+        # trace per unrolled region: over 100 MB per compile, 74 GB over a few sweeps here
+        # before the disk filled. The child's logs live and die with its temporary folder.
+        env.setdefault("TPU_LOG_DIR", os.path.join(d, "tpu_logs"))
         payload = json.dumps(dict(builder=builder, request=request, profile_dir=d, bundles=bundles))
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
