@@ -142,6 +142,8 @@ def main() -> None:
                 t0 = time.time()
                 r = profiler.profile("rpa_tune.estimator.ours:lower", req, timeout=1800, rss_cap=16 << 30,
                                      bundles=False)
+                if r.get("environment"):     # e.g. a full disk: not the workload's result
+                    raise SystemExit(f"compose_check: {r['message'][:300]}")
                 r = dict(key=key, status=r["status"], cycles=r.get("cycles"), wall_s=time.time() - t0,
                          max_rss_bytes=r.get("max_rss_bytes") or 0)
                 with open(CACHE, "a") as f:

@@ -142,6 +142,8 @@ def piece(kernel: str, gen: str, case: Case, bs: BlockSizes, page: int, q_lens, 
             need = dataclasses.replace(need, kv_write_bytes=0)
         a = audit.audit_trace(TraceStats.from_json(r["trace"]), need, calibration(gen))
         rec["audit"] = a.to_json()
+    if r.get("environment"):        # e.g. a full disk: the machine's failure, not recorded
+        raise SystemExit(f"vs_public: {r['message'][:300]}")
     _CACHE[key] = rec
     os.makedirs(os.path.dirname(CACHE), exist_ok=True)
     with open(CACHE, "a") as f:

@@ -64,3 +64,20 @@ class FakeEvaluator(Evaluator):
 
 def make_evaluator(backend):
     return FakeEvaluator()
+
+
+# ------------------------------------------------------------------ profiler-child builders
+def disk_full_builder(**_):
+    """Fails the way libtpu does when the disk is full while it writes its profile."""
+    import sys
+    sys.stderr.write("F bundle_analysis.cc:157] Check failed: WriteTextProto(...) is OK "
+                     "(RESOURCE_EXHAUSTED: fclose: No space left on device\n")
+    sys.stderr.flush()
+    os._exit(1)
+
+
+def env_report_builder(**_):
+    """Reports where the child's libtpu logs would go, then exits like a finished child."""
+    import json
+    print(json.dumps({"status": "ok", "tpu_log_dir": os.environ.get("TPU_LOG_DIR")}), flush=True)
+    os._exit(0)

@@ -126,7 +126,11 @@ def profile(builder: str, request: dict, *, timeout: float | None = 600, rss_cap
             stdout, stderr = out.read(), err.read()
     lines = [l for l in stdout.splitlines() if l.startswith("{")]
     if proc.returncode != 0 or not lines:
-        return {"status": "crash", "returncode": proc.returncode, "message": stderr[-2000:], "max_rss_bytes": peak}
+        out = {"status": "crash", "returncode": proc.returncode, "message": stderr[-2000:], "max_rss_bytes": peak}
+        if "No space left on device" in stderr:     # the machine's fault, not the config's
+            out.update(environment="disk_full",
+                       message="the disk is full (libtpu could not write its profile): " + out["message"])
+        return out
     result = json.loads(lines[-1])
     result["max_rss_bytes"] = peak
     return result
