@@ -119,7 +119,8 @@ def test_composed_matches_a_full_compile_and_ignores_sequence_order(tmp_path, mo
 # Composed workloads known to land just outside 5 % (benchmarks/README.md, "Composition"):
 # checked at their recorded error bound instead; one that comes back within 5 % fails, so
 # this list and the README stay true.
-KNOWN_COMPOSITION_GAPS = {("v5e", "decode 12 x 700"): 0.06, ("v5e", "mixed 6 x 1 lognormal + 64"): 0.06}
+KNOWN_COMPOSITION_GAPS = {("v5e", "decode 12 x 700"): 0.06, ("v5e", "mixed 6 x 1 lognormal + 64"): 0.06,
+                          ("v5e", "prefill 1 x 512"): 0.08}
 
 
 @pytest.mark.parametrize("gen,case", [(g, c) for g in ("v6e", "tpu7x", "v5e") for c in ("decode", "prefill", "mixed")])
