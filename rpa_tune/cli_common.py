@@ -19,8 +19,11 @@ try:      # recent Typer vendors Click as typer._click
 except ImportError:  # pragma: no cover - Typer with Click as a dependency
     from click.exceptions import ClickException
 
-from kernel.config import GENERATIONS, get_generation
+from kernel.config import GENERATIONS, Case, get_generation
 from kernel.validate import SUPPORTED_HEAD_DIMS, SUPPORTED_KV_DTYPES, SUPPORTED_Q_DTYPES
+
+from .evaluators.base import BACKENDS, STATUSES
+from .search import SEARCHES
 
 # the kernel's own constants (importing kernel.config / kernel.validate loads no JAX)
 GENERATION_NAMES = tuple(GENERATIONS)      # v4, v5e, v5p, v6e, tpu7x
@@ -105,49 +108,19 @@ OptionalTpu = Annotated[Optional[str], typer.Option("--tpu", parser=parse_tpu, m
 
 
 # ---------------------------------------------------------------------------- choices
-class CaseChoice(str, enum.Enum):
-    decode = "decode"
-    prefill = "prefill"
-    mixed = "mixed"
+def _choices(name: str, values) -> type[enum.Enum]:
+    """A Typer choice enum whose members are ``values`` (kept where each concept is defined)."""
+    return enum.Enum(name, {v: v for v in values}, type=str)
 
 
-class SweepCase(str, enum.Enum):
-    decode = "decode"
-    prefill = "prefill"
-    mixed = "mixed"
-    all = "all"
-
-
-class BackendChoice(str, enum.Enum):
-    auto = "auto"
-    tpu = "tpu"
-    compile = "compile"
-    interpret = "interpret"
-
-
-class ResultBackend(str, enum.Enum):
-    tpu = "tpu"
-    compile = "compile"
-    interpret = "interpret"
-
-
-class SearchChoice(str, enum.Enum):
-    grid = "grid"
-    random = "random"
-    tpe = "tpe"
-
-
-class Status(str, enum.Enum):
-    ok = "ok"
-    vmem_oom = "vmem_oom"
-    compile_error = "compile_error"
-    timeout = "timeout"
-    wrong_result = "wrong_result"
-    crash = "crash"
-
-
-QDtype = enum.Enum("QDtype", {d: d for d in SUPPORTED_Q_DTYPES}, type=str)
-KvDtype = enum.Enum("KvDtype", {d: d for d in SUPPORTED_KV_DTYPES}, type=str)
+CaseChoice = _choices("CaseChoice", [c.value for c in Case])
+SweepCase = _choices("SweepCase", [c.value for c in Case] + ["all"])
+ResultBackend = _choices("ResultBackend", BACKENDS)
+BackendChoice = _choices("BackendChoice", ["auto", *BACKENDS])
+SearchChoice = _choices("SearchChoice", SEARCHES)
+Status = _choices("Status", STATUSES)
+QDtype = _choices("QDtype", SUPPORTED_Q_DTYPES)
+KvDtype = _choices("KvDtype", SUPPORTED_KV_DTYPES)
 
 
 def value(v):
