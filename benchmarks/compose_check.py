@@ -72,6 +72,12 @@ def recorded(cache: dict, gen: str, case: Case) -> tuple[str, dict] | None:
     return found
 
 
+def recorded_skip(rec: dict) -> bool:
+    """Whether the recorded kernel skipped dead prefill / mixed chunks (records from before
+    the kernel did carry no flag: it computed every chunk)."""
+    return bool(rec.get("skip_dead_chunks", False))
+
+
 def case_of(w: Workload) -> Case:
     return next(c for c in Case if w.case_range(c)[1] > w.case_range(c)[0])
 
@@ -113,7 +119,7 @@ def main() -> None:
                 rec = found and found[1]
                 models[case] = rec and compose.fit(case, bs, PAGE_SIZE, [
                     compose.Probe(tuple(p["q_lens"]), tuple(p["kv_lens"])) for p in rec["probes"]],
-                    [p["cycles"] for p in rec["probes"]])
+                    [p["cycles"] for p in rec["probes"]], skip_dead_chunks=recorded_skip(rec))
             if case not in models:
                 pr = compose.probe_config(builder="rpa_tune.estimator.ours:lower", case=case, bs=bs, tpu=gen,
                                           model=dataclasses.asdict(MODEL), limits=dataclasses.asdict(limits))
@@ -123,7 +129,7 @@ def main() -> None:
                     continue
                 models[case] = compose.model_from_json(pr["model"])
                 if pkey not in cache:     # recorded for tests/test_estimator.py's refit check
-                    cache[pkey] = dict(key=pkey, status="ok", probes=[
+                    cache[pkey] = dict(key=pkey, status="ok", skip_dead_chunks=pr["skip_dead_chunks"], probes=[
                         {k: p[k] for k in ("q_lens", "kv_lens", "cycles")} for p in pr["probes"]])
                     with open(CACHE, "a") as f:
                         f.write(json.dumps(cache[pkey]) + "\n")

@@ -12,7 +12,7 @@ import numpy as np
 from jax.experimental.pallas import tpu as pltpu
 
 from . import rpa, tables  # tables reads files only on the first lookup
-from .config import BlockSizes, CASES, Case, block_size_errors, cdiv, round_up
+from .config import BlockSizes, CASES, Case, block_size_errors, cdiv, round_up, get_generation
 from .config import kv_bytes_per_token as config_kv_bytes_per_token
 from .hardware import current_generation, tpu_info
 from .heuristics import heuristic_block_sizes
@@ -212,7 +212,7 @@ def case_spec(case: Case, options: Options, *, num_kv_heads, group, head_dim, pa
         kv_rows=kv_rows, kv_pack=kv_pack, max_num_seqs=max_num_seqs, sm_scale=options.sm_scale,
         sliding_window=options.sliding_window, soft_cap=options.soft_cap,
         k_scale=options.k_scale, v_scale=options.v_scale, q_scale=options.q_scale,
-        static_meta=static_meta)
+        static_meta=static_meta, skip_dead_chunks=get_generation(options.generation).skip_dead_chunks)
 
 
 def default_case_vmem_limit(bs: BlockSizes, *, generation: str, num_q_heads: int, num_kv_heads: int,

@@ -141,6 +141,11 @@ class TpuGeneration:
     topology: str        # deviceless topology name accepted by libtpu
     device_kind: str     # jax device.device_kind
     chip_version: str    # name in jax's tpu_info.ChipVersion
+    # Prefill / mixed skip the ckv chunks of a KV step that hold no visible key (past the
+    # causal diagonal, past the valid tokens, before the window). Off on TPU7x only because
+    # libtpu's static profiler aborts on the branch there, so no config could be ranked
+    # without a device (kernel/rpa.py, compute_step).
+    skip_dead_chunks: bool = True
 
 
 GENERATIONS: dict[str, TpuGeneration] = {
@@ -150,7 +155,7 @@ GENERATIONS: dict[str, TpuGeneration] = {
         TpuGeneration("v5e", "v5e:1x1", "TPU v5 lite", "TPU_V5E"),
         TpuGeneration("v5p", "v5p:2x2x1", "TPU v5", "TPU_V5P"),
         TpuGeneration("v6e", "v6e:1x1", "TPU v6 lite", "TPU_V6E"),
-        TpuGeneration("tpu7x", "tpu7x:2x2x1", "TPU7x", "TPU_7X"),
+        TpuGeneration("tpu7x", "tpu7x:2x2x1", "TPU7x", "TPU_7X", skip_dead_chunks=False),
     )
 }
 

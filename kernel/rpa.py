@@ -73,6 +73,7 @@ class KernelSpec:
     # analysis mode: tuple of (first_seq, end_seq, q_len) segments, and the workload
     # metadata to store at static SMEM addresses (kv_lens, cu_q_lens), or None.
     static_meta: tuple | None = None
+    skip_dead_chunks: bool = True   # prefill / mixed: skip chunks with no visible key
 
     @property
     def name(self) -> str:
@@ -160,6 +161,11 @@ def _when(cond, fn):
             fn()
     else:
         pl.when(cond)(fn)
+
+
+def _run_chunk(chunk, x):
+    """``pl.when`` body: one chunk, returning nothing."""
+    chunk(x, 0)
 
 
 def _loop(lo, hi, body, carry, *, unroll_static=False):
@@ -559,18 +565,26 @@ def _make_kernel(spec: KernelSpec, interpret: bool = False):
             if decode:
                 jax.lax.fori_loop(x_lo, x_hi, chunk, 0)
             else:
-                # Prefill / mixed: the chunks of a step are unrolled and all computed
-                # (masked), including any past the causal diagonal or the window. Skipping
-                # them, by a loop over the live range or a ``pl.when`` per chunk, made
-                # libtpu's static profiler on TPU7x abort ("Cannot schedule FIFO push ...
-                # FIFO name: kErf", at a vexp2) once a q block ran more than a few KV
-                # steps, so no prefill / mixed config could be ranked there. Unrolled
-                # chunks also estimate cheaper on v6e for non-diagonal steps (-18% for a
-                # q block against 4K of context) and dearer on the diagonal (+10% for a
-                # 2K causal chunk, bkv 1024 / ckv 256): the tuner sees this cost and
-                # prefers ckv close to bkv where the diagonal dominates.
+                # Prefill / mixed: the chunks of a step are unrolled; each runs under a
+                # ``pl.when`` on whether it holds a visible key, so the chunks past the
+                # causal diagonal, past a cached step's valid tokens or before the window
+                # cost nothing (v6e, bq 128 / bkv 512 / ckv 256: a q block after 128
+                # cached tokens 26.1k -> 17.2k cycles, a 512-token causal chunk 54.6k ->
+                # 46.1k, a q block after 4K of context 91.8k -> 89.0k). On TPU7x libtpu's
+                # static profiler aborts on that branch ("Cannot schedule FIFO push ...
+                # FIFO name: kErf", at a vexp2), as on a loop over the live range, so
+                # there every chunk is computed, masked (``TpuGeneration.skip_dead_chunks``).
                 for x in range(n_chunks):
-                    chunk(x, 0)
+                    if not spec.skip_dead_chunks:
+                        chunk(x, 0)
+                        continue
+                    # a chunk is live when it holds a position below both the step's
+                    # limit and the q block's last position (and, windowed, above the
+                    # window's start)
+                    live = base + x * ckv < _min(limit, q_hi)
+                    if window:
+                        live = jnp.logical_and(live, base + (x + 1) * ckv > lo_pos)
+                    pl.when(live)(functools.partial(_run_chunk, chunk, x))
 
         def _when_head(h, fn):
             if isinstance(h, int) or Hkv % heads_per_row == 0:

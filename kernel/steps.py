@@ -3,8 +3,9 @@
 ``plan(case, bs, page_size, q_len, kv_len)`` lists, for one sequence, what ``kernel.rpa``
 does: its q blocks, and per q block the KV steps (cached context gathered page by page from
 the cache, then the new tokens read from the packed new-KV array), the pages each step
-fetches, and the ``ckv`` chunks each step computes (decode: only the chunks holding
-visible keys; prefill / mixed: every chunk of the step, masked). It mirrors
+fetches, and the ``ckv`` chunks each step computes: the chunks holding a visible key
+(decode always; prefill / mixed where the generation skips dead chunks,
+``TpuGeneration.skip_dead_chunks``), else every chunk of the step, masked. It mirrors
 ``qblock_steps`` / ``fetch_kv`` / ``compute_step`` in ``kernel/rpa.py`` line for line;
 ``tests/test_estimator_compose.py`` checks it against the DMAs in libtpu's simulated trace.
 The estimator counts its features to compose a workload's cost from probe compiles.
@@ -25,7 +26,7 @@ class Step:
 
 
 def plan(case: Case | str, bs: BlockSizes, page_size: int, q_len: int, kv_len: int,
-         sliding_window: int | None = None) -> list[list[Step]]:
+         sliding_window: int | None = None, skip_dead_chunks: bool = True) -> list[list[Step]]:
     """The KV steps of each q block of one sequence."""
     case = Case.parse(case)
     bq, bkv, _, ckv = bs
@@ -51,11 +52,15 @@ def plan(case: Case | str, bs: BlockSizes, page_size: int, q_len: int, kv_len: i
             blk = c0 + k if cached else n0 + k - nc
             limit = ctx if (cached or decode) else q_len
             valid = max(0, min(bkv, limit - blk * bkv))
+            base = blk * bkv if (cached or decode) else ctx + blk * bkv    # position of row 0
             if decode:
-                base = blk * bkv
                 x_hi = min(n_chunks, cdiv(max(0, min(limit, q_hi) - base), ckv))
                 x_lo = min(x_hi, max(0, lo - base) // ckv) if sliding_window else 0
                 chunks = x_hi - x_lo
+            elif skip_dead_chunks:
+                hi = min(ctx if cached else kv_len, q_hi)      # first position no query sees
+                chunks = sum(1 for x in range(n_chunks)
+                             if base + x * ckv < hi and (not sliding_window or base + (x + 1) * ckv > lo))
             else:
                 chunks = n_chunks
             steps.append(Step(cached, cdiv(valid, page_size), chunks))
@@ -67,12 +72,12 @@ FEATURES = ("call", "seq", "qblock", "step", "page_cached", "page_new", "chunk")
 
 
 def features(case: Case | str, bs: BlockSizes, page_size: int, q_lens, kv_lens,
-             sliding_window: int | None = None) -> dict[str, int]:
+             sliding_window: int | None = None, skip_dead_chunks: bool = True) -> dict[str, int]:
     """Counts of what the kernel does for these sequences (one call of ``case``)."""
     c = collections.Counter(call=1)
     for q, kv in zip(q_lens, kv_lens):
         c["seq"] += 1
-        for steps in plan(case, bs, page_size, q, kv, sliding_window):
+        for steps in plan(case, bs, page_size, q, kv, sliding_window, skip_dead_chunks):
             c["qblock"] += 1
             for st in steps:
                 c["step"] += 1

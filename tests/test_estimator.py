@@ -145,7 +145,8 @@ def test_recorded_probes_price_recorded_full_compiles(gen, case):
     kh, r = found
     bs = cc.CONFIGS[Case.parse(case)]
     plist = [compose.Probe(tuple(p["q_lens"]), tuple(p["kv_lens"])) for p in r["probes"]]
-    model = compose.fit(case, bs, cc.PAGE_SIZE, plist, [p["cycles"] for p in r["probes"]])
+    model = compose.fit(case, bs, cc.PAGE_SIZE, plist, [p["cycles"] for p in r["probes"]],
+                        skip_dead_chunks=cc.recorded_skip(r))
     checked = 0
     for name, w in cc.workloads():
         full = recs.get(json.dumps([gen, name, list(bs), kh]))
@@ -197,3 +198,18 @@ def test_profiler_child_logs_stay_in_its_temporary_folder_and_a_full_disk_is_nam
     r = profiler.profile("tune_fakes:disk_full_builder", {}, timeout=120)
     assert r["status"] == "crash" and r["environment"] == "disk_full"
     assert r["message"].startswith("the disk is full")
+
+
+def test_step_plan_counts_the_chunks_the_kernel_computes():
+    """Prefill skips the chunks with no visible key (v6e): the chunks kernel.steps plans are
+    what the simulated trace computes, the same MXU instructions per planned chunk for a
+    q block after 128 cached tokens (2 chunks: one of each step) and after 640 (4)."""
+    bs = BlockSizes(128, 512, 128, 256)
+    per_chunk = set()
+    for q, kv, chunks in ([128], [256], 2), ([128], [768], 4):
+        tr = TraceStats.from_json(_profile("prefill", Workload.of_case("prefill", q, kv), bs)["trace"])
+        assert features("prefill", bs, LIM.page_size, q, kv)["chunk"] == chunks
+        every = features("prefill", bs, LIM.page_size, q, kv, skip_dead_chunks=False)   # TPU7x's kernel
+        assert every["chunk"] == every["step"] * (bs.bkv // bs.ckv)
+        per_chunk.add(tr.mxu_matmuls / chunks)
+    assert len(per_chunk) == 1 and per_chunk.pop() > 0

@@ -109,3 +109,20 @@ def test_heuristic_block_sizes_run():
     """No block sizes given: the heuristic (default generation) must produce a working call."""
     w = Workload.concat(decode_w(50, n=2), prefill_w(51, chunk=16, n=1), mixed_w(52, n=1))
     run_and_check(ModelShape(8, 2, 128), SMALL, w, sm_scale=0.1)
+
+
+@pytest.mark.parametrize("generation", ["v6e", "tpu7x"])
+@pytest.mark.parametrize("window", [None, 20])
+def test_dead_chunks_skipped_or_computed_give_the_same_attention(generation, window, monkeypatch):
+    """Prefill / mixed skip the chunks with no visible key (past the causal diagonal, past a
+    cached step's valid tokens, before the window) except on TPU7x, where every chunk is
+    computed masked; both paths against the reference, with KV steps of several chunks,
+    chunks past the diagonal and partly valid cached steps."""
+    from kernel.config import get_generation
+    from kernel.hardware import GENERATION_ENV
+    monkeypatch.setenv(GENERATION_ENV, generation)
+    assert get_generation(generation).skip_dead_chunks == (generation != "tpu7x")
+    w = Workload.concat(None, Workload.of_case("prefill", [40, 9], [40, 75]),
+                        Workload.of_case("mixed", [1, 23], [50, 61]))
+    kw = {} if window is None else dict(sliding_window=window)
+    run_and_check(GQA, SMALL, w, sm_scale=0.1, p_block_sizes=(16, 64, 8, 16), m_block_sizes=(8, 64, 8, 16), **kw)

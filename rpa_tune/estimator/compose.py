@@ -113,25 +113,27 @@ def _fit_pipeline(step_lists, cycles) -> tuple[np.ndarray, np.ndarray]:
 
 def case_features(case: Case | str) -> tuple[str, ...]:
     """The items priced for a case. Decode: the costs of its pipeline model
-    (``PIPELINE_PARAMS``; it computes only the chunks holding visible keys, so chunks vary
-    apart from steps). Prefill / mixed compute every chunk of a step, so chunks are steps x ``bkv / ckv``; and a step of new
-    tokens costs what a cached step costs (the same compute; its KV comes from the new-KV
-    array instead of pages). Pricing new steps and their pages apart was wrong: in every
-    small probe each q block has exactly one new step, so those items were collinear with
-    q blocks, and a 1K causal sequence (q blocks with two new steps) came out 10 % high on
-    v6e; with one step item it is within 2 % (benchmarks/README.md, "Estimator")."""
+    (``PIPELINE_PARAMS``). Prefill / mixed: call, sequence, q block, KV step, cached page and
+    computed chunk (the chunks holding a visible key where the generation skips dead chunks;
+    on TPU7x every chunk, so chunks are steps x ``bkv / ckv`` and share the step's cost). A
+    step of new tokens costs what a cached step costs (the same compute; its KV comes from
+    the new-KV array instead of pages). Pricing new steps and their pages apart was wrong:
+    in every small probe each q block has exactly one new step, so those items were
+    collinear with q blocks, and a 1K causal sequence came out 10 % high on v6e; with one
+    step item it is within 2 % (benchmarks/README.md, "Estimator")."""
     if Case.parse(case) == Case.DECODE:
         return PIPELINE_PARAMS
-    return ("call", "seq", "qblock", "step", "page_cached")
+    return ("call", "seq", "qblock", "step", "page_cached", "chunk")
 
 
-def design(case: Case | str, bs: BlockSizes, page_size: int, workloads, sliding_window=None) -> np.ndarray:
+def design(case: Case | str, bs: BlockSizes, page_size: int, workloads, sliding_window=None,
+           skip_dead_chunks: bool = True) -> np.ndarray:
     case = Case.parse(case)
     names = case_features(case)
     rows = []
     for w in workloads:
         lo, hi = w.case_range(case)
-        f = features(case, bs, page_size, w.q_lens[lo:hi], w.kv_lens[lo:hi], sliding_window)
+        f = features(case, bs, page_size, w.q_lens[lo:hi], w.kv_lens[lo:hi], sliding_window, skip_dead_chunks)
         rows.append([f[k] for k in names])
     return np.asarray(rows, dtype=np.float64)
 
@@ -150,6 +152,7 @@ class CostModel:
     probe_fit_error: float      # largest relative residual of a probe
     sliding_window: int | None = None
     kind: str = "linear"
+    skip_dead_chunks: bool = True   # the generation's kernel skips dead prefill / mixed chunks
 
     def cycles(self, workload: Workload) -> float:
         if self.kind == "pipeline":
@@ -157,7 +160,8 @@ class CostModel:
             steps = pipeline_steps(BlockSizes(*self.block_sizes), self.page_size, workload.kv_lens[lo:hi],
                                    self.sliding_window)
             return pipeline_cycles(self.coef, steps)
-        x = design(self.case, BlockSizes(*self.block_sizes), self.page_size, [workload], self.sliding_window)[0]
+        x = design(self.case, BlockSizes(*self.block_sizes), self.page_size, [workload], self.sliding_window,
+                   self.skip_dead_chunks)[0]
         return float(x @ np.asarray(self.coef))
 
     def to_json(self) -> dict:
@@ -165,7 +169,7 @@ class CostModel:
 
 
 def fit(case: Case | str, bs: BlockSizes, page_size: int, probe_list: list[Probe], cycles: list[float],
-        sliding_window=None) -> CostModel:
+        sliding_window=None, skip_dead_chunks: bool = True) -> CostModel:
     """Decode: the pipeline's six costs by least squares on relative error (non-negative).
     Prefill / mixed: least-squares per-item costs from the probes' cycles. Items that never vary across
     the probes (always collinear with another, e.g. decode's q blocks with its sequences)
@@ -176,12 +180,13 @@ def fit(case: Case | str, bs: BlockSizes, page_size: int, probe_list: list[Probe
                                     cycles)
         return CostModel(case.value, tuple(bs), page_size, tuple(float(c) for c in coef),
                          tuple(float(c) for c in cycles), float(resid.max()), sliding_window, "pipeline")
-    X = design(case, bs, page_size, [p.workload(case) for p in probe_list], sliding_window)
+    X = design(case, bs, page_size, [p.workload(case) for p in probe_list], sliding_window, skip_dead_chunks)
     y = np.asarray(cycles, dtype=np.float64)
     coef, *_ = np.linalg.lstsq(X, y, rcond=None)
     resid = np.abs(X @ coef - y) / y
     return CostModel(case.value, tuple(bs), page_size, tuple(float(c) for c in coef),
-                     tuple(float(c) for c in y), float(resid.max()), sliding_window)
+                     tuple(float(c) for c in y), float(resid.max()), sliding_window,
+                     skip_dead_chunks=skip_dead_chunks)
 
 
 # ------------------------------------------------------------------ probing a config
@@ -225,13 +230,15 @@ def probe_config(*, builder: str, case: Case | str, bs: BlockSizes, tpu: str, mo
     path = os.path.join(_cache_dir(), _cache_key(doc) + ".json")
     plist = probes(case, bs, limits["page_size"])
     window = (options or {}).get("sliding_window")
+    from kernel.config import get_generation
+    skip = get_generation(tpu).skip_dead_chunks
     if use_cache and os.path.exists(path):
         try:
             with open(path) as f:
                 out = json.load(f)
             if out.get("status") == "ok":   # the probes' cycles are cached; the fit is redone
                 out["model"] = fit(case, bs, limits["page_size"], plist,
-                                   [p["cycles"] for p in out["probes"]], window).to_json()
+                                   [p["cycles"] for p in out["probes"]], window, skip).to_json()
             return out
         except (OSError, ValueError, KeyError, TypeError):
             pass
@@ -261,7 +268,8 @@ def probe_config(*, builder: str, case: Case | str, bs: BlockSizes, tpu: str, mo
         out["probes"].append(dict(q_lens=list(p.q_lens), kv_lens=list(p.kv_lens), cycles=r["cycles"],
                                   audit=a.to_json(), max_rss_bytes=r.get("max_rss_bytes"),
                                   compile_s=r.get("compile_s")))
-    m = fit(case, bs, limits["page_size"], plist, [p["cycles"] for p in out["probes"]], window)
+    m = fit(case, bs, limits["page_size"], plist, [p["cycles"] for p in out["probes"]], window, skip)
+    out["skip_dead_chunks"] = skip
     out["model"] = m.to_json()
     if use_cache:
         os.makedirs(os.path.dirname(path), exist_ok=True)
