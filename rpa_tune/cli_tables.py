@@ -266,10 +266,15 @@ def precompile_cmd(
         except UsageError as e:
             fail(str(e))
         if tpu is None:
-            import jax
-            platform = jax.devices()[0].platform
-            if platform != "tpu":
-                fail(f"no local TPU (the default device is {platform}); pass --tpu "
+            import glob
+            # TPU VMs expose /dev/accel* (v4, v5p) or /dev/vfio/<n> (v5e and later); without
+            # either, initialising libtpu only prints its own start-up errors before ours
+            where = "no TPU device file (/dev/accel*, /dev/vfio/<n>)"
+            if glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"):
+                import jax
+                where = f"the default device is {jax.devices()[0].platform}"
+            if not where.endswith("tpu"):
+                fail(f"no local TPU ({where}); pass --tpu "
                      f"{'|'.join(GENERATION_NAMES)} to compile deviceless")
     from kernel.analysis import quiet_libtpu
     quiet_libtpu()
