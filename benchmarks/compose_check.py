@@ -62,12 +62,13 @@ def recorded(cache: dict, gen: str, case: Case) -> tuple[str, dict] | None:
     probes are today's ``compose.probes`` (older probe shapes cannot be refitted by today's
     ``compose.fit``); the whole compiles of that kernel hash go with it."""
     bs = CONFIGS[case]
-    want = [[list(p.q_lens), list(p.kv_lens)] for p in compose.probes(case, bs, PAGE_SIZE)]
     found = None
     for key, r in cache.items():
         g, what, *rest = json.loads(key)
-        if (g == gen and what == "probes" and rest[0] == case.value and rest[1] == list(bs)
-                and [[p["q_lens"], p["kv_lens"]] for p in r["probes"]] == want):
+        if not (g == gen and what == "probes" and rest[0] == case.value and rest[1] == list(bs)):
+            continue
+        want = [[list(p.q_lens), list(p.kv_lens)] for p in compose.probes(case, bs, PAGE_SIZE, recorded_skip(r))]
+        if [[p["q_lens"], p["kv_lens"]] for p in r["probes"]] == want:
             found = (rest[-1], r)
     return found
 
