@@ -124,6 +124,8 @@ def main() -> None:
             if case not in models:
                 pr = compose.probe_config(builder="rpa_tune.estimator.ours:lower", case=case, bs=bs, tpu=gen,
                                           model=dataclasses.asdict(MODEL), limits=dataclasses.asdict(limits))
+                if pr.get("environment"):     # e.g. a full disk or an edited kernel: not recorded
+                    raise SystemExit(f"compose_check: {pr['message'][:300]}")
                 if pr["status"] != "ok":
                     print(f"{gen} {case.value}: probes failed: {pr.get('message', '')[:300]}", flush=True)
                     models[case] = None
@@ -148,7 +150,7 @@ def main() -> None:
             if r is None:
                 t0 = time.time()
                 r = profiler.profile("rpa_tune.estimator.ours:lower", req, timeout=1800, rss_cap=16 << 30,
-                                     bundles=False)
+                                     bundles=False, expect_kernel_hash=kh)
                 if r.get("environment"):     # e.g. a full disk: not the workload's result
                     raise SystemExit(f"compose_check: {r['message'][:300]}")
                 r = dict(key=key, status=r["status"], cycles=r.get("cycles"), wall_s=time.time() - t0,

@@ -122,7 +122,9 @@ def piece(kernel: str, gen: str, case: Case, bs: BlockSizes, page: int, q_lens, 
                block_sizes=list(bs), tpu=gen, model=dataclasses.asdict(MODEL),
                limits=dataclasses.asdict(limits(page)), case=case.value)
     t0 = time.time()
-    r = profiler.profile(KERNELS[kernel], req, timeout=1800, rss_cap=RSS_CAP, bundles=True)
+    expect = json.loads(key)[1] if kernel == "ours" else None
+    r = profiler.profile(KERNELS[kernel], req, timeout=1800, rss_cap=RSS_CAP, bundles=True,
+                         expect_kernel_hash=expect)
     limit = None
     vm = r.get("vmem") or {}
     if r["status"] == "vmem_oom" and vm.get("used_bytes"):
@@ -132,7 +134,8 @@ def piece(kernel: str, gen: str, case: Case, bs: BlockSizes, page: int, q_lens, 
                                   int(tpu_info(gen).vmem_capacity_bytes))
         if limit:
             req["options"] = {"vmem_limit_bytes": limit}
-            r = profiler.profile(KERNELS[kernel], req, timeout=1800, rss_cap=RSS_CAP, bundles=True)
+            r = profiler.profile(KERNELS[kernel], req, timeout=1800, rss_cap=RSS_CAP, bundles=True,
+                                 expect_kernel_hash=expect)
     rec = dict(key=key, status=r["status"], cycles=r.get("cycles"), wall_s=time.time() - t0,
                max_rss_bytes=r.get("max_rss_bytes"), message=(r.get("message") or "")[-300:],
                vmem_limit_bytes=limit, retried=True)

@@ -43,6 +43,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from .config import BlockSizes, Case, cdiv
+from .vmem import kv_buffer_rows
 
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 LANES = 128
@@ -155,6 +156,11 @@ def _max(a, b):
     return _select_lt(a, b, b, a)
 
 
+def _and(mask, other):
+    """``mask & other``, where a None mask means all true."""
+    return other if mask is None else jnp.logical_and(mask, other)
+
+
 def _when(cond, fn):
     if isinstance(cond, bool):
         if cond:
@@ -205,19 +211,23 @@ def _lanes(x, n: int):
     return wide if n % LANES == 0 else wide[:, :n]
 
 
-def _split_words(w, v_scale):
+def _split_words(w, v_scale, v_ok=None):
     """bf16 K/V pairs packed in uint32 words -> (K, V) bf16.
 
     A word holds the K element (low 16 bits) and the V element (high 16 bits) of one
     head at one lane, as the merged layout interleaves them (k_h, v_h) along the packing
-    dim. A bf16 value is the top half of the f32 with the same value, so a shift
-    (K) and a mask (V) followed by a bitcast give both exactly, with no unpacking or
-    gathers across vregs."""
-    k = jax.lax.bitcast_convert_type(w << 16, jnp.float32)
-    v = jax.lax.bitcast_convert_type(w & jnp.uint32(0xFFFF0000), jnp.float32)
+    dim. Truncating the word to 16 bits gives K's bits, truncating it shifted right by 16
+    gives V's: two integer packs and one shift per word vreg, and no float conversion
+    (its rounding costs several VPU ops per vreg). ``v_ok`` (rows, 1) zeroes V's invalid
+    rows (their bits may be any value, NaN included, and a NaN times a zero weight is
+    NaN); K needs no mask, its scores are masked."""
+    k = pltpu.bitcast(w.astype(jnp.uint16), jnp.bfloat16)
+    v = pltpu.bitcast((w >> 16).astype(jnp.uint16), jnp.bfloat16)
     if v_scale is not None:
-        v = v * v_scale
-    return k.astype(jnp.bfloat16), v.astype(jnp.bfloat16)
+        v = (v.astype(jnp.float32) * v_scale).astype(jnp.bfloat16)
+    if v_ok is not None:
+        v = jnp.where(v_ok, v, jnp.zeros_like(v))
+    return k, v
 
 
 def _row_tile(rows: int, ckv: int) -> int:
@@ -330,7 +340,8 @@ def _make_kernel(spec: KernelSpec, interpret: bool = False):
                 nkv_copy(0, slot).wait()
 
         def page_copy(src, slot, p):
-            return pltpu.make_async_copy(src, kv_buf.at[slot, p], sems.at[1, slot])
+            # (the buffer may have a padding row per token: see kernel.vmem.kv_buffer_rows)
+            return pltpu.make_async_copy(src, kv_buf.at[slot, p, :, pl.ds(0, spec.kv_rows)], sems.at[1, slot])
 
         def fetch_kv(s, i, k, slot):
             info = seq_info(s)
@@ -432,37 +443,52 @@ def _make_kernel(spec: KernelSpec, interpret: bool = False):
                 q = q_buf[qslot, :, h].astype(jnp.float32).reshape(bq * G, Dp)
                 qh_ref[h] = q.astype(qh_ref.dtype)
 
+        def scores(h, r, q_first, k, k_pos, kv_valid):
+            """Masked, scaled scores of q rows [r, r + row_tile) of head h against k."""
+            q = qh_ref[h, pl.ds(r, row_tile)]
+            s = jax.lax.dot_general(q.astype(k.dtype), k, (((1,), (1,)), ((), ())),
+                                    preferred_element_type=jnp.float32) * scale
+            if spec.soft_cap is not None:
+                s = spec.soft_cap * jnp.tanh(s / spec.soft_cap)
+            mask = kv_valid          # None: every key of the chunk is below the limit
+            if not decode or window:
+                q_pos = q_first + _div(r + jax.lax.broadcasted_iota(jnp.int32, (row_tile, 1), 0), G)
+            if not decode:
+                mask = _and(mask, k_pos <= q_pos)
+            if window:
+                mask = _and(mask, k_pos > q_pos - window)
+            return s if mask is None else jnp.where(mask, s, MASK_VALUE)
+
+        def online_softmax(s, m_prev, l_prev):
+            """One online-softmax step: (p, alpha, m, l). m and l stay lane-replicated
+            (rows, 128) end to end: no lane slicing and re-broadcasting through the permute
+            unit on every update."""
+            m_new = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
+            p = jnp.exp(s - _lanes(m_new, s.shape[1]))
+            alpha = jnp.exp(m_prev - m_new)
+            return p, alpha, m_new, alpha * l_prev + p.sum(axis=1, keepdims=True)
+
+        def qk_softmax(h, r, q_first, k, k_pos, kv_valid):
+            """Scores of a row tile of head h against k and the update of its m and l (in
+            VMEM): returns (p, alpha)."""
+            rows = pl.ds(r, row_tile)
+            s = scores(h, r, q_first, k, k_pos, kv_valid)
+            p, alpha, m_ref[h, rows], l_ref[h, rows] = online_softmax(s, m_ref[h, rows], l_ref[h, rows])
+            return p, alpha
+
+        def pv_update(h, r, p, alpha, v):
+            rows = pl.ds(r, row_tile)
+            pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+            acc_ref[h, rows] = _lanes(alpha, Dp) * acc_ref[h, rows] + pv
+
+        def row_tiles(y):
+            return [y * (cq * G) + r0 for r0 in range(0, cq * G, row_tile)]
+
         def flash_update(h, y, q_first, k, v, k_pos, kv_valid):
             """One online-softmax update of q chunk y of head h against (k, v), in row tiles
             of ``row_tile`` rows (the score tile of one fits in the vreg file)."""
-            for r0 in range(0, cq * G, row_tile):
-                r = y * (cq * G) + r0
-                rows = pl.ds(r, row_tile)
-                q = qh_ref[h, rows]
-                s = jax.lax.dot_general(q.astype(k.dtype), k, (((1,), (1,)), ((), ())),
-                                        preferred_element_type=jnp.float32) * scale
-                if spec.soft_cap is not None:
-                    s = spec.soft_cap * jnp.tanh(s / spec.soft_cap)
-                mask = kv_valid
-                if not decode or window:
-                    q_pos = q_first + _div(r + jax.lax.broadcasted_iota(jnp.int32, (row_tile, 1), 0), G)
-                if not decode:
-                    mask = jnp.logical_and(mask, k_pos <= q_pos)
-                if window:
-                    mask = jnp.logical_and(mask, k_pos > q_pos - window)
-                s = jnp.where(mask, s, MASK_VALUE)
-                # m and l stay lane-replicated (rows, 128) end to end: no lane slicing and
-                # re-broadcasting through the permute unit on every update.
-                m_prev = m_ref[h, rows]
-                l_prev = l_ref[h, rows]
-                m_new = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
-                p = jnp.exp(s - _lanes(m_new, ckv))
-                alpha = jnp.exp(m_prev - m_new)
-                l_new = alpha * l_prev + p.sum(axis=1, keepdims=True)
-                pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-                acc_ref[h, rows] = _lanes(alpha, Dp) * acc_ref[h, rows] + pv
-                m_ref[h, rows] = m_new
-                l_ref[h, rows] = l_new
+            for r in row_tiles(y):
+                pv_update(h, r, *qk_softmax(h, r, q_first, k, k_pos, kv_valid), v)
 
         def split_kv(kv, j):
             """kv: f32 (n, ps, pk, Dp) of one packed row -> K, V (n*ps, Dp) of its j-th head.
@@ -481,15 +507,16 @@ def _make_kernel(spec: KernelSpec, interpret: bool = False):
         # Mosaic's strided load needs a 128-lane last dim, so head_dim > 128 keeps the
         # unpack path too.
         word_split = pk == 2 and Dp == LANES
+        buf_rows = kv_buffer_rows(spec.kv_rows)
 
         def kv_words(kvslot, x, h):
             """uint32 (ckv, Dp): word t = (K, V) of head h at row t of chunk x."""
             if interpret:
                 raw = kv_buf[kvslot, pl.ds(x * pages_per_chunk, pages_per_chunk)]
-                words = pltpu.bitcast(raw.reshape(ckv * spec.kv_rows * pk, Dp), jnp.uint32)
-                return words.reshape(ckv, spec.kv_rows, Dp)[:, h, :]
-            words = kv_buf.at[kvslot].reshape(bkv * spec.kv_rows * pk, Dp).bitcast(jnp.uint32)
-            return words[pl.ds(x * (ckv * spec.kv_rows) + h, ckv, stride=spec.kv_rows), :]
+                words = pltpu.bitcast(raw.reshape(ckv * buf_rows * pk, Dp), jnp.uint32)
+                return words.reshape(ckv, buf_rows, Dp)[:, h, :]
+            words = kv_buf.at[kvslot].reshape(bkv * buf_rows * pk, Dp).bitcast(jnp.uint32)
+            return words[pl.ds(x * (ckv * buf_rows) + h, ckv, stride=buf_rows), :]
 
         def compute_step(info, i, k_step, kvslot, c0, nc, n0):
             q_start, q_len, kv_len, ctx, _ = info
@@ -507,11 +534,36 @@ def _make_kernel(spec: KernelSpec, interpret: bool = False):
             x_hi = _min(n_chunks, _cdiv(_max(0, _min(limit, q_hi) - base), ckv))
             x_lo = _min(x_hi, _div(_max(0, lo_pos - base), ckv)) if window else 0
 
-            def chunk(x, carry):
+            def chunk_keys(x, masked=True):
+                """Positions of chunk x's keys (1, ckv), and which keys (1, ckv) and rows
+                (ckv, 1) are below the limit (None when not ``masked``)."""
                 start = base + x * ckv
                 k_pos = start + jax.lax.broadcasted_iota(jnp.int32, (1, ckv), 1)
-                kv_valid = k_pos < limit
-                row_ok = (start + jax.lax.broadcasted_iota(jnp.int32, (ckv, 1), 0)) < limit
+                if not masked:
+                    return k_pos, None, None
+                rows = start + jax.lax.broadcasted_iota(jnp.int32, (ckv, 1), 0)
+                return k_pos, k_pos < limit, rows < limit
+
+            def decode_chunk(x, state, masked=True):
+                """Decode, bf16: chunk x against every head; state = per head (m, l, acc)."""
+                k_pos, kv_valid, row_ok = chunk_keys(x, masked)
+                # Every head's scores and softmax are issued before any head's PV product.
+                # The MXU hands results back in issue order, so a PV issued right after its
+                # own head's scores leaves the MXU idle through that head's softmax. TPU7x,
+                # 16 x 2K decode, (1, 2048, 1, 1024): PV after the own head's scores 171k
+                # cycles, after the next head's 107k, three heads later 91k, after all
+                # heads 89k (v6e: 146k, 134k, 133k).
+                stats = []
+                for h, (m, l, _) in enumerate(state):
+                    kk, vv = _split_words(kv_words(kvslot, x, h), v_scale, row_ok)
+                    p, alpha, m, l = online_softmax(scores(h, 0, q_first, kk, k_pos, kv_valid), m, l)
+                    stats.append((p, alpha, m, l, vv))
+                return tuple(
+                    (m, l, _lanes(alpha, Dp) * acc + jnp.dot(p.astype(vv.dtype), vv, preferred_element_type=jnp.float32))
+                    for (p, alpha, m, l, vv), (_, _, acc) in zip(stats, state))
+
+            def chunk(x, carry):
+                k_pos, kv_valid, row_ok = chunk_keys(x)
 
                 def attend(h, kk, vv):
                     def qc(y, carry3):
@@ -522,7 +574,7 @@ def _make_kernel(spec: KernelSpec, interpret: bool = False):
 
                 if word_split:
                     def one_head(h, carry2):
-                        kk, vv = _split_words(jnp.where(row_ok, kv_words(kvslot, x, h), 0), v_scale)
+                        kk, vv = _split_words(kv_words(kvslot, x, h), v_scale, row_ok)
                         attend(h, kk, vv)
                         return carry2
 
@@ -532,8 +584,25 @@ def _make_kernel(spec: KernelSpec, interpret: bool = False):
                     # the compiler may keep several heads' score tiles live, so large
                     # (cq x group) x ckv tiles can stop fitting; the compiler's verdict per
                     # config decides (the tuner records vmem_oom).
+                    if n_qchunks > 1:
+                        for h in range(Hkv):
+                            one_head(h, 0)
+                        return carry
+                    # One q chunk: the heads' tiles are software-pipelined in program
+                    # order, the PV product of one tile issued after the scores of the
+                    # next, so the MXU has independent work while a tile's softmax runs
+                    # (v6e, (128, 512, 128, 256): 1K causal prefill 125.5k -> 121.1k
+                    # cycles, 512 causal 46.1k -> 44.8k). Holding more tiles' scores
+                    # (as decode does) does not fit: a prefill tile is up to 64 vregs.
+                    pending = None
                     for h in range(Hkv):
-                        one_head(h, 0)
+                        kk, vv = _split_words(kv_words(kvslot, x, h), v_scale, row_ok)
+                        for r in row_tiles(0):
+                            p, alpha = qk_softmax(h, r, q_first, kk, k_pos, kv_valid)
+                            if pending is not None:
+                                pending()
+                            pending = functools.partial(pv_update, h, r, p, alpha, vv)
+                    pending()
                     return carry
 
                 v_ok = row_ok
@@ -562,7 +631,19 @@ def _make_kernel(spec: KernelSpec, interpret: bool = False):
                 _loop(0, spec.kv_rows, head_row, 0, unroll_static=spec.kv_rows <= 4 or analysis)
                 return carry
 
-            if decode:
+            if decode and word_split:
+                # The chunks wholly below the limit need no key mask and no V-row mask
+                # (their rows are all cached tokens); only the last one can be partial.
+                # The heads' m, l and acc (a few vregs each) are carried through the
+                # chunk loop as values and stored once per step.
+                x_full = _min(x_hi, _max(x_lo, _div(_max(0, limit - base), ckv)))
+                rows = pl.ds(0, G)
+                state = tuple((m_ref[h, rows], l_ref[h, rows], acc_ref[h, rows]) for h in range(Hkv))
+                state = jax.lax.fori_loop(x_lo, x_full, functools.partial(decode_chunk, masked=False), state)
+                state = jax.lax.fori_loop(x_full, x_hi, decode_chunk, state)
+                for h, (m, l, acc) in enumerate(state):
+                    m_ref[h, rows], l_ref[h, rows], acc_ref[h, rows] = m, l, acc
+            elif decode:
                 jax.lax.fori_loop(x_lo, x_hi, chunk, 0)
             else:
                 # Prefill / mixed: the chunks of a step are unrolled; each runs under a
@@ -717,7 +798,7 @@ def build_case_call(spec: KernelSpec, *, q_shape, q_dtype, newkv_shape, cache_sh
     """The ``pallas_call`` of one case (inputs: 4 SMEM arrays, q, newkv, cache, o_in)."""
     bq, bkv, cq, ckv = spec.bs
     Hkv, G, Dp = spec.num_kv_heads, spec.group, spec.head_dim_p
-    kv_block_shape = (bkv // spec.page_size, spec.page_size, spec.kv_rows, spec.kv_pack, Dp)
+    kv_block_shape = (bkv // spec.page_size, spec.page_size, kv_buffer_rows(spec.kv_rows), spec.kv_pack, Dp)
     scratch = [
         pltpu.VMEM((2, bq, Hkv, G, Dp), q_dtype),                  # q_buf
         pltpu.VMEM((2,) + kv_block_shape, cache_dtype),            # kv_buf

@@ -13,6 +13,8 @@ import numpy as np
 from .config import BlockSizes, round_up
 
 LANES = 128
+SUBLANES = 8
+VMEM_BANKS = 32
 
 
 def _tile_rows(second_minor: int, dtype) -> int:
@@ -27,13 +29,23 @@ def _bytes(shape, dtype) -> int:
     return n * _tile_rows(sm, dtype) * round_up(m, LANES) * np.dtype(dtype).itemsize
 
 
+def kv_buffer_rows(kv_rows: int) -> int:
+    """Rows per token of the kernel's KV block buffer: ``kv_rows``, plus one of padding when
+    a sublane-strided load at stride ``kv_rows`` (one head's words over 8 tokens) would hit
+    a VMEM bank twice. With 32 banks, 8 rows at stride 8 touch 4 banks: libtpu then splits
+    every such load into two half loads plus an OR (seen in the profiler's bundle trace,
+    Llama-3-8B shard: 8 rows per token); an odd stride touches 8 banks."""
+    banks = {(t * kv_rows) % VMEM_BANKS for t in range(SUBLANES)}
+    return kv_rows + 1 if kv_rows > 1 and len(banks) < SUBLANES else kv_rows
+
+
 def scratch_bytes(bs: BlockSizes, *, num_kv_heads: int, group: int, head_dim: int, page_size: int,
                   kv_rows: int, kv_pack: int, q_dtype, kv_dtype) -> int:
     bq, bkv, cq, ckv = bs
     Dp = round_up(head_dim, LANES)
     total = 0
     total += 2 * _bytes((2, bq, num_kv_heads, group, Dp), q_dtype)          # q_buf + o_buf
-    total += _bytes((2, bkv // page_size, page_size, kv_rows, kv_pack, Dp), kv_dtype)
+    total += _bytes((2, bkv // page_size, page_size, kv_buffer_rows(kv_rows), kv_pack, Dp), kv_dtype)
     total += _bytes((2, 1, kv_rows, kv_pack, Dp), kv_dtype)
     total += _bytes((num_kv_heads, bq * group, Dp), np.float16)  # qh (bf16; same tiling as f16)
     total += _bytes((num_kv_heads, bq * group, Dp), np.float32)             # acc

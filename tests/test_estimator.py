@@ -1,6 +1,7 @@
 """The estimator (rpa_tune.estimator): the audit catches missing work, the kernel's step
 plan matches the DMAs in libtpu's simulated trace, composed estimates match full compiles."""
 import dataclasses
+import os
 
 import pytest
 
@@ -189,7 +190,6 @@ def test_profiler_child_logs_stay_in_its_temporary_folder_and_a_full_disk_is_nam
     """libtpu's logs (over 100 MB per bundle-dump compile) go to the child's temporary
     folder, removed with it; a child killed by a full disk is the machine's failure,
     marked so that no benchmark records it as the config's crash."""
-    import os
     here = os.path.dirname(os.path.abspath(__file__))
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]))
     r = profiler.profile("tune_fakes:env_report_builder", {}, timeout=120)
@@ -198,6 +198,22 @@ def test_profiler_child_logs_stay_in_its_temporary_folder_and_a_full_disk_is_nam
     r = profiler.profile("tune_fakes:disk_full_builder", {}, timeout=120)
     assert r["status"] == "crash" and r["environment"] == "disk_full"
     assert r["message"].startswith("the disk is full")
+
+
+def test_a_kernel_edited_during_a_run_is_not_recorded_under_the_old_hash(monkeypatch):
+    """The profiler child imports the kernel afresh: when the source it saw is not the one
+    the caller records under, the result is the environment's failure, not the config's."""
+    from rpa_tune.provenance import KERNEL_HASH_ENV
+    here = os.path.dirname(os.path.abspath(__file__))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv(KERNEL_HASH_ENV, "source-the-child-sees")
+    r = profiler.profile("tune_fakes:no_kernel_builder", {}, timeout=120, expect_kernel_hash="source-at-start")
+    assert r["status"] == "crash" and r["environment"] == "source_changed"
+    assert "source-at-start" in r["message"] and "source-the-child-sees" in r["message"]
+    r = profiler.profile("tune_fakes:no_kernel_builder", {}, timeout=120,
+                         expect_kernel_hash="source-the-child-sees")
+    assert r["kernel_hash"] == "source-the-child-sees" and "environment" not in r
+    assert r["status"] == "crash" and "no estimate" in r["message"]     # no kernel, no profile
 
 
 def test_step_plan_counts_the_chunks_the_kernel_computes():

@@ -81,3 +81,14 @@ def env_report_builder(**_):
     import json
     print(json.dumps({"status": "ok", "tpu_log_dir": os.environ.get("TPU_LOG_DIR")}), flush=True)
     os._exit(0)
+
+
+class _NothingToCompile:
+    def compile(self):
+        return None
+
+
+def no_kernel_builder(**_):
+    """Lowers nothing: the child's compile makes no kernel, so no profile, and it reports
+    as usual (with the kernel source hash it saw)."""
+    return _NothingToCompile(), "no_such_kernel"

@@ -229,10 +229,12 @@ def probe_config(*, builder: str, case: Case | str, bs: BlockSizes, tpu: str, mo
     from kernel.workload import ModelShape
     from . import audit as audit_mod, profiler
     from .calibration import calibration
+    from rpa_tune.provenance import kernel_hash
     case = Case.parse(case)
     bs = BlockSizes.coerce(bs)
     doc = dict(builder=builder, case=case.value, bs=list(bs), tpu=tpu, model=model, limits=limits,
                options=options or {})
+    source = kernel_hash()       # what the cache key holds; every probe must have compiled it
     path = os.path.join(_cache_dir(), _cache_key(doc) + ".json")
     from kernel.config import get_generation
     skip = get_generation(tpu).skip_dead_chunks
@@ -260,7 +262,7 @@ def probe_config(*, builder: str, case: Case | str, bs: BlockSizes, tpu: str, mo
                                       distribution=list(w.distribution)), block_sizes=list(bs))
         for k in ("builder", "bs"):
             req.pop(k)
-        r = profiler.profile(builder, req, timeout=left)
+        r = profiler.profile(builder, req, timeout=left, expect_kernel_hash=source)
         out["max_rss_bytes"] = max(out["max_rss_bytes"], r.get("max_rss_bytes") or 0)
         out["compile_s"] += (r.get("lower_s") or 0.0) + (r.get("compile_s") or 0.0)
         if r["status"] != "ok":

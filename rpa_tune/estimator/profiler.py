@@ -60,7 +60,9 @@ def _child(req: dict) -> dict:
     mod, fn = req["builder"].split(":")
     t0 = time.perf_counter()
     lowered, prefix = getattr(importlib.import_module(mod), fn)(**req["request"])
-    out = {"status": "ok", "lower_s": time.perf_counter() - t0, "prefix": prefix}
+    from rpa_tune.provenance import kernel_hash
+    out = {"status": "ok", "lower_s": time.perf_counter() - t0, "prefix": prefix,
+           "kernel_hash": kernel_hash()}       # the source this child imported
     t1 = time.perf_counter()
     try:
         lowered.compile()
@@ -86,8 +88,13 @@ def _child(req: dict) -> dict:
 
 
 def profile(builder: str, request: dict, *, timeout: float | None = 600, rss_cap: int | None = None,
-            bundles: bool = True, extra_libtpu_args: str = "") -> dict:
-    """Compile ``builder(**request)`` in a child with the static profiler on (see module doc)."""
+            bundles: bool = True, extra_libtpu_args: str = "", expect_kernel_hash: str | None = None) -> dict:
+    """Compile ``builder(**request)`` in a child with the static profiler on (see module doc).
+
+    ``expect_kernel_hash``: the kernel source hash the caller records the result under. The
+    child imports the kernel afresh, so an edit to its files while a benchmark runs would
+    otherwise be measured and recorded under the old hash; a child that saw another
+    source returns ``environment: "source_changed"`` (not the config's result)."""
     cap = rss_cap_bytes() if rss_cap is None else int(rss_cap)
     with tempfile.TemporaryDirectory(prefix="rpa_profile_") as d:
         env = libtpu_env()
@@ -133,6 +140,11 @@ def profile(builder: str, request: dict, *, timeout: float | None = 600, rss_cap
         return out
     result = json.loads(lines[-1])
     result["max_rss_bytes"] = peak
+    seen = result.get("kernel_hash")
+    if expect_kernel_hash and seen and seen != expect_kernel_hash:
+        return {"status": "crash", "environment": "source_changed", "max_rss_bytes": peak,
+                "message": f"the kernel source changed during the run (hash {expect_kernel_hash} expected, "
+                           f"the compile saw {seen}): rerun"}
     return result
 
 
