@@ -218,15 +218,16 @@ def _split_words(w, v_scale, v_ok=None):
     head at one lane, as the merged layout interleaves them (k_h, v_h) along the packing
     dim. Truncating the word to 16 bits gives K's bits, truncating it shifted right by 16
     gives V's: two integer packs and one shift per word vreg, and no float conversion
-    (its rounding costs several VPU ops per vreg). ``v_ok`` (rows, 1) zeroes V's invalid
+    (its rounding costs several VPU ops per vreg). ``v_ok`` (rows, 1) zeroes the invalid
     rows (their bits may be any value, NaN included, and a NaN times a zero weight is
-    NaN); K needs no mask, its scores are masked."""
+    NaN). The mask goes on the words: a select on the bf16 V fails v5e's compiler
+    (LLO type check: "Expected vector-int16, got vector-int32" at a vunpack)."""
+    if v_ok is not None:
+        w = jnp.where(v_ok, w, jnp.zeros_like(w))
     k = pltpu.bitcast(w.astype(jnp.uint16), jnp.bfloat16)
     v = pltpu.bitcast((w >> 16).astype(jnp.uint16), jnp.bfloat16)
     if v_scale is not None:
         v = (v.astype(jnp.float32) * v_scale).astype(jnp.bfloat16)
-    if v_ok is not None:
-        v = jnp.where(v_ok, v, jnp.zeros_like(v))
     return k, v
 
 
