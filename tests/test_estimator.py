@@ -123,8 +123,8 @@ def test_composed_matches_a_full_compile_and_ignores_sequence_order(tmp_path, mo
 # Composed workloads known to land just outside 5 % (benchmarks/README.md, "Composition"):
 # checked at their recorded error bound instead; one that comes back within 5 % fails, so
 # this list and the README stay true.
-KNOWN_COMPOSITION_GAPS = {("v5e", "decode 12 x 700"): 0.06, ("v5e", "mixed 6 x 1 lognormal + 64"): 0.06,
-                          ("v5e", "prefill 1 x 512"): 0.08}
+KNOWN_COMPOSITION_GAPS = {("v6e", "decode 12 x 700"): 0.06, ("tpu7x", "decode 16 lognormal ~2K"): 0.06,
+                          ("v5e", "mixed 6 x 1 lognormal + 64"): 0.06, ("v5e", "prefill 1 x 512"): 0.08}
 
 
 @pytest.mark.parametrize("gen,case", [(g, c) for g in ("v6e", "tpu7x", "v5e") for c in ("decode", "prefill", "mixed")])
@@ -173,12 +173,12 @@ def test_decode_pipeline_model_bounds_and_fit():
     probes' cycles (a synthetic kernel: no compiler involved)."""
     bs = BlockSizes(1, 1024, 1, 512)
     full = compose.pipeline_steps(bs, 128, [1025] * 40)          # 40 sequences, one 8-page step each
-    dma_bound = (100.0, 50.0, 500.0, 200.0, 100.0, 800.0)       # DMA 6500 > compute 50 + 500 + 400
-    cpu_bound = (100.0, 50.0, 5000.0, 2000.0, 100.0, 100.0)     # compute 9050 > DMA 900
+    dma_bound = (100.0, 50.0, 500.0, 200.0, 300.0, 100.0, 800.0)     # DMA 6500 > compute 50 + 500 + 400
+    cpu_bound = (100.0, 50.0, 5000.0, 2000.0, 300.0, 100.0, 100.0)   # compute 9050 > DMA 900
     per_seq = lambda th: (compose.pipeline_cycles(th, full) - compose.pipeline_cycles(th, full[:20])) / 20
     assert per_seq(dma_bound) == pytest.approx(100 + 8 * 800)
     assert per_seq(cpu_bound) == pytest.approx(50 + 5000 + 2 * 2000)
-    truth = (3000.0, 400.0, 300.0, 1500.0, 200.0, 900.0)
+    truth = (3000.0, 400.0, 300.0, 1500.0, 700.0, 200.0, 900.0)
     plist = compose.probes("decode", bs, 128)
     cycles = [compose.pipeline_cycles(truth, compose.pipeline_steps(bs, 128, p.kv_lens)) for p in plist]
     m = compose.fit("decode", bs, 128, plist, cycles)

@@ -68,15 +68,21 @@ def probes(case: Case | str, bs: BlockSizes, page_size: int, skip_dead_chunks: b
 
 
 # ------------------------------------------------------------------ decode: a two-stage pipeline
-PIPELINE_PARAMS = ("call", "seq", "step", "chunk", "dma_step", "dma_page")
+PIPELINE_PARAMS = ("call", "seq", "step", "chunk", "partial", "dma_step", "dma_page")
 
 
-def pipeline_steps(bs: BlockSizes, page_size: int, kv_lens, sliding_window=None) -> list[tuple[int, int, bool]]:
-    """Decode's KV steps in kernel order: (pages fetched, chunks computed, first of its sequence)."""
+def pipeline_steps(bs: BlockSizes, page_size: int, kv_lens, sliding_window=None) -> list[tuple[int, int, bool, bool]]:
+    """Decode's KV steps in kernel order: (pages fetched, chunks computed, first of its
+    sequence, ends in a partial chunk). The kernel runs the chunks wholly below the context
+    end unmasked and a partial last chunk masked, in a loop of its own."""
     out = []
     for kv in kv_lens:
+        ctx = kv - 1
+        first_blk = max(0, ctx - sliding_window + 1) // bs.bkv if sliding_window else 0
         for i, st in enumerate(plan(Case.DECODE, bs, page_size, 1, kv, sliding_window)[0]):
-            out.append((st.pages, st.chunks, i == 0))
+            blk = first_blk + i
+            valid = min((blk + 1) * bs.bkv, ctx) - blk * bs.bkv
+            out.append((st.pages, st.chunks, i == 0, valid % bs.ckv != 0))
     return out
 
 
@@ -84,20 +90,21 @@ def pipeline_cycles(theta, steps) -> float:
     """Cycles of decode's double-buffered walk: the pages of step k+1 are fetched while step k
     computes (the DMA of a step is issued when the previous step starts computing, and DMAs
     run one after another); a step computes once its pages have landed and the previous step
-    is done. Compute of a step: ``step + chunk * chunks`` (+ ``seq`` at a sequence's first
-    step); its DMA: ``dma_step + dma_page * pages``; ``call`` before the first step.
+    is done. Compute of a step: ``step + chunk * chunks`` (+ ``partial`` when its last chunk
+    is partial, + ``seq`` at a sequence's first step); its DMA: ``dma_step + dma_page *
+    pages``; ``call`` before the first step.
 
     A sum of per-item costs cannot price decode where HBM is the bound (v5e, TPU7x): a
     step costs its compute when its pages are few and its DMA when they are many, so a
     linear fit priced 12-16 short sequences 5-10 % low there (benchmarks/README.md)."""
-    call, seq, c0, c1, d0, d1 = theta
+    call, seq, c0, c1, c2, d0, d1 = theta
     dma_done = issue = 0.0
     comp_end = call
-    for pages, chunks, first in steps:
+    for pages, chunks, first, partial in steps:
         dma_done = max(issue, dma_done) + d0 + d1 * pages
         start = max(comp_end + (seq if first else 0.0), dma_done)
         issue = start
-        comp_end = start + c0 + c1 * chunks
+        comp_end = start + c0 + c1 * chunks + (c2 if partial else 0.0)
     return comp_end
 
 
@@ -110,7 +117,8 @@ def _fit_pipeline(step_lists, cycles) -> tuple[np.ndarray, np.ndarray]:
 
     scale = float(np.median(y)) / 10
     best = None
-    for x0 in ([1.0, 0.4, 0.4, 0.2, 0.2, 0.16], [2.0, 0.1, 0.6, 0.1, 0.1, 0.18], [0.4, 0.6, 0.2, 0.4, 0.4, 0.1]):
+    for x0 in ([1.0, 0.4, 0.4, 0.2, 0.1, 0.2, 0.16], [2.0, 0.1, 0.6, 0.1, 0.0, 0.1, 0.18],
+               [0.4, 0.6, 0.2, 0.4, 0.2, 0.4, 0.1]):
         r = least_squares(resid, x0=np.asarray(x0) * scale, bounds=(0, np.inf), x_scale=scale)
         if best is None or r.cost < best.cost:
             best = r
