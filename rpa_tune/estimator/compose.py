@@ -10,7 +10,7 @@ their cycles and price any workload from the kernel's own walk over it (``kernel
   page; ``case_features``), fitted by least squares; the probes' differences isolate each
   item, so pipeline fill cancels;
 * decode: a two-stage pipeline (``pipeline_cycles``: each KV step's page DMAs overlap the
-  previous step's compute), six costs fitted to eight probes of 4-8 sequences. Where HBM
+  previous step's compute), seven costs fitted to eight probes of 4-8 sequences. Where HBM
   is the bound (v5e, TPU7x) a step costs its DMA or its compute, whichever is larger, which
   no sum of item costs can express.
 
@@ -184,7 +184,7 @@ class CostModel:
 
 def fit(case: Case | str, bs: BlockSizes, page_size: int, probe_list: list[Probe], cycles: list[float],
         sliding_window=None, skip_dead_chunks: bool = True) -> CostModel:
-    """Decode: the pipeline's six costs by least squares on relative error (non-negative).
+    """Decode: the pipeline's seven costs by least squares on relative error (non-negative).
     Prefill / mixed: least-squares per-item costs from the probes' cycles. Items that never vary across
     the probes (always collinear with another, e.g. decode's q blocks with its sequences)
     get the minimum-norm share, which prices workloads of the same structure exactly."""
