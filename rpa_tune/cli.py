@@ -66,6 +66,11 @@ def sweep(
                                           "--max-num-tokens.", show_default=False),
     max_num_seqs: MaxNumSeqs = 128,
     max_model_len: MaxModelLen = 8192,
+    sliding_window: Optional[int] = typer.Option(None, "--sliding-window", min=1, help="Tune the key of a "
+                                                 "sliding-window attention layer: the kernel runs with this "
+                                                 "window (tokens), and the results go to the key's "
+                                                 "sliding_window=true entry. Default: full attention.",
+                                                 show_default=False),
     workload: Optional[Path] = typer.Option(None, "--workload", help="JSON/CSV file of per-sequence q_len, kv_len "
                                             "(optional case column) to tune on instead of the generated workload.",
                                             show_default=False),
@@ -112,7 +117,7 @@ def sweep(
             max_num_seqs=max_num_seqs, max_model_len=max_model_len, workload=workload, num_seqs=num_seqs,
             context=context, chunk=chunk, num_chunks=num_chunks, seed=seed, backend=value(backend),
             search=value(search), budget=budget, patience=patience, jobs=jobs, timeout=timeout, results=results,
-            space=space, retry=[value(r) for r in retry], dry_run=dry_run)
+            space=space, retry=[value(r) for r in retry], dry_run=dry_run, sliding_window=sliding_window)
     except UsageError as e:
         fail(str(e))
     from . import ui
@@ -142,12 +147,16 @@ def sweep(
 
 def _build_specs(*, tpu, case, model, q_heads, kv_heads, head_dim, dtype, kv_dtype, page_size, max_num_tokens,
                  max_num_seqs, max_model_len, workload, num_seqs, context, chunk, num_chunks, seed, backend,
-                 search, budget, patience, jobs, timeout, results, space, retry, dry_run, buckets=None):
+                 search, budget, patience, jobs, timeout, results, space, retry, dry_run, buckets=None,
+                 sliding_window=None):
     """Validate every input and build one SweepSpec per bucket x case (no side effects)."""
     from kernel.config import Case
     if results.exists() and not results.is_dir():
         raise UsageError(f"--results {str(results)!r} exists and is not a directory")
     m, model_label = resolve_model(model, q_heads, kv_heads, head_dim, dtype, kv_dtype)
+    if sliding_window is not None and sliding_window >= max_model_len:
+        raise UsageError(f"--sliding-window {sliding_window} is not below --max-model-len {max_model_len}: "
+                         "such a window hides no token (tune the full-attention key: omit --sliding-window)")
     token_buckets = parse_int_list("--buckets", buckets) or [max_num_tokens]
     limits_per_bucket = [resolve_limits(page_size, t, max_num_seqs, max_model_len) for t in sorted(set(token_buckets))]
     from .space import SpaceError, load_space
@@ -177,11 +186,13 @@ def _build_specs(*, tpu, case, model, q_heads, kv_heads, head_dim, dtype, kv_dty
                 cs = sp.for_case(c)
             except (WorkloadError, SpaceError) as e:
                 raise UsageError(str(e)) from None
-            key = problem_key(tpu, c, m, limits)
+            key = problem_key(tpu, c, m, limits, sliding_window=sliding_window is not None)
+            window = f", sliding window {sliding_window}" if sliding_window is not None else ""
             spec = SweepSpec(key=key, model=m, limits=limits, workload=w,
-                             workload_desc=f"{describe(w)} [{origin}]", case_space=cs, backend=be,
+                             workload_desc=f"{describe(w)}{window} [{origin}]", case_space=cs, backend=be,
                              search=search, budget=budget, seed=seed, jobs=jobs, timeout=timeout,
-                             patience=patience, retry=tuple(retry), model_label=model_label)
+                             patience=patience, retry=tuple(retry), model_label=model_label,
+                             sliding_window=sliding_window)
             try:
                 plan = plan_sweep(spec)
             except SpaceError as e:

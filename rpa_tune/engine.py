@@ -290,6 +290,11 @@ class SweepSpec:
     patience: int = 10
     retry: tuple = ()            # statuses to evaluate again on resume
     model_label: str = ""
+    sliding_window: int | None = None   # the window the kernel runs with (key.sliding_window)
+
+    def __post_init__(self):
+        if bool(self.key.sliding_window) != (self.sliding_window is not None):
+            raise ValueError(f"key {self.key.id()} and sliding_window={self.sliding_window} disagree")
 
     @property
     def generation(self) -> str:
@@ -395,6 +400,8 @@ def run_sweep(spec: SweepSpec, store: ResultStore, *, events: Events | None = No
     prov = provenance.provenance()
     ev_version = evaluator_version(spec.backend)
     wid = workload_id(spec.workload)
+    if spec.sliding_window is not None:   # another window is another problem (full attention keeps its ids)
+        wid = f"{wid}-sw{spec.sliding_window}"
     key_id = spec.key.id()
     recorded = store.recorded()
     sweep_id = uuid.uuid4().hex[:12]
@@ -434,7 +441,7 @@ def run_sweep(spec: SweepSpec, store: ResultStore, *, events: Events | None = No
                 task = Task(backend=spec.backend, generation=spec.generation, case=spec.case.value,
                             model=spec.model, limits=spec.limits, workload=spec.workload, bs=bs,
                             timeout=float(spec.timeout), seed=spec.seed,
-                            vmem_predicted_bytes=plan.predicted.get(bs))
+                            vmem_predicted_bytes=plan.predicted.get(bs), sliding_window=spec.sliding_window)
                 pool.submit(task, bs)
                 events.dispatched(bs)
             if pool.busy == 0:

@@ -41,6 +41,9 @@ def bad_workload(tmp_path_factory):
     (["--tpu", "v6e", "--search", "bayes"], ["'bayes' is not one of 'grid', 'random', 'tpe'"]),
     (["--tpu", "v6e", "--context", "zipf:2"], ["unknown context distribution 'zipf:2'"]),
     (["--tpu", "v6e", "--backend", "tpu"], ["--backend tpu needs a TPU v6e here, found no TPU"]),
+    (["--tpu", "v6e", "--sliding-window", "0"], ["--sliding-window", "0"]),
+    (["--tpu", "v6e", "--sliding-window", "8192"],
+     ["--sliding-window 8192 is not below --max-model-len 8192"]),
 ])
 def test_bad_input_exits_2_with_one_line_and_writes_nothing(tmp_path, args, needles):
     res = tmp_path / "results"
@@ -220,3 +223,32 @@ def test_no_wrapping_in_pipes(tmp_path):
     for k in keys:
         assert any(k.id() in line for line in r.stdout.splitlines()), r.stdout
     assert "1 added, 0 removed, 1 changed (1 -> 2 entries)" in r.stdout.splitlines()[-1]
+
+
+def test_sliding_window_sweep_tunes_the_window_key_and_export_ships_it(tmp_path):
+    """`--sliding-window N` runs the kernel with the window (the evaluator's task carries it),
+    records the rows under the key's sliding_window=true entry, keeps them apart from a
+    full-attention sweep of the same shape, and export writes an entry that the kernel's
+    lookup finds for sliding-window layers only."""
+    import pandas as pd
+    res, out = tmp_path / "results", tmp_path / "tables"
+    env = {"RPA_TUNE_EVALUATOR_OVERRIDE": "tune_fakes:make_evaluator", "RPA_TUNE_KERNEL_HASH": "cli-window",
+           "PYTHONPATH": TESTS + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    base = ["sweep", "--tpu", "v6e", "--case", "decode", "--model", "llama3-70b-tp8", "--backend", "compile",
+            "--search", "grid", "--budget", "100", "--results", str(res), "--json"]
+    r = run(base + ["--sliding-window", "512"], env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert json.loads(r.stdout)[0]["key"]["sliding_window"] is True
+    r = run(base, env=env)                   # the same shape, full attention: its own rows
+    assert r.returncode == 0, r.stderr[-3000:]
+    df = pd.read_parquet(res)
+    sw = df[df["sliding_window"]]
+    assert len(sw) == 27 and len(df) == 54 and set(sw["status"]) == {"ok"}
+    assert set(sw["message"]) == {"fake estimate (sliding_window=512)"}
+    assert set(df[~df["sliding_window"]]["message"]) == {"fake estimate (sliding_window=None)"}
+    assert all("sliding window 512" in w for w in sw["workload"])
+    assert not set(sw["config_id"]) & set(df[~df["sliding_window"]]["config_id"])
+    r = run(["export", "--results", str(res), "--out", str(out)], env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    doc = json.loads((out / "v6e.json").read_text())
+    assert sorted(e["key"]["sliding_window"] for e in doc["entries"]) == [False, True]

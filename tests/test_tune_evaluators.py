@@ -179,6 +179,22 @@ def test_interpret_evaluator_ok_and_wrong_result(monkeypatch):
     assert other.status == "ok", "only the chosen config is corrupted"
 
 
+def test_interpret_evaluator_runs_the_task_window_on_kernel_and_reference(monkeypatch):
+    """A sliding-window task is checked with the window on both sides; the kernel run with
+    the window against the full-attention reference differs (the window hides keys in this
+    problem), so a window dropped on either side is a wrong_result."""
+    import dataclasses
+    import kernel
+    ev = InterpretEvaluator()
+    t = dataclasses.replace(_small_task("decode", (1, 64, 1, 32)), sliding_window=20)
+    ok = ev.evaluate(t)
+    assert ok.status == "ok" and "sliding window 20" in ok.message, ok.message
+    full_reference = kernel.reference.ragged_paged_attention
+    monkeypatch.setattr(kernel.reference, "ragged_paged_attention",
+                        lambda *a, sliding_window=None, **k: full_reference(*a, **k))
+    assert ev.evaluate(t).status == "wrong_result"
+
+
 # ------------------------------------------------------------------ static estimate
 def _estimate(case, workload, lim, bs):
     """The compile backend's verdict for one config on v6e (Llama-3-8B shape); must be ok."""
@@ -264,3 +280,15 @@ def test_registry_knows_every_backend_and_base_knows_none():
         ev.evaluator_class("gpu")
     src = inspect.getsource(base)
     assert "CompileEvaluator" not in src and "InterpretEvaluator" not in src and "TpuEvaluator" not in src
+
+
+def test_compile_evaluator_estimates_with_the_task_window():
+    """The estimate of a sliding-window task lowers the kernel with the window (and the
+    composition prices the window's steps): the options carry it; a full-attention task's
+    options do not."""
+    import dataclasses
+    from rpa_tune.evaluators.compile import _options
+    t = _small_task()
+    assert _options(t, 16 << 20) == {"vmem_limit_bytes": 16 << 20}
+    assert _options(dataclasses.replace(t, sliding_window=64), 16 << 20) == {
+        "vmem_limit_bytes": 16 << 20, "sliding_window": 64}

@@ -46,6 +46,7 @@ class Task:
     timeout: float = 600.0
     seed: int = 0
     vmem_predicted_bytes: int | None = None
+    sliding_window: int | None = None        # the attention window the kernel runs with
 
     def to_json(self) -> dict:
         return dict(backend=self.backend, generation=self.generation, case=self.case,
@@ -53,7 +54,7 @@ class Task:
                     workload=dict(q_lens=list(self.workload.q_lens), kv_lens=list(self.workload.kv_lens),
                                   distribution=list(self.workload.distribution)),
                     bs=list(self.bs), timeout=self.timeout, seed=self.seed,
-                    vmem_predicted_bytes=self.vmem_predicted_bytes)
+                    vmem_predicted_bytes=self.vmem_predicted_bytes, sliding_window=self.sliding_window)
 
     @classmethod
     def from_json(cls, d: dict) -> "Task":
@@ -62,7 +63,7 @@ class Task:
                    model=ModelShape(**d["model"]), limits=ServingLimits(**d["limits"]),
                    workload=Workload(tuple(w["q_lens"]), tuple(w["kv_lens"]), tuple(w["distribution"])),
                    bs=BlockSizes(*d["bs"]), timeout=float(d["timeout"]), seed=int(d["seed"]),
-                   vmem_predicted_bytes=d.get("vmem_predicted_bytes"))
+                   vmem_predicted_bytes=d.get("vmem_predicted_bytes"), sliding_window=d.get("sliding_window"))
 
 
 @dataclasses.dataclass

@@ -106,7 +106,7 @@ class CompileEvaluator(Evaluator):
         r = compose.probe_config(builder="rpa_tune.estimator.ours:lower", case=task.case, bs=task.bs,
                                  tpu=task.generation, model=dataclasses.asdict(task.model),
                                  limits=dataclasses.asdict(task.limits),
-                                 options={"vmem_limit_bytes": limit}, timeout=remaining)
+                                 options=_options(task, limit), timeout=remaining)
         return r
 
     def _plain_compile(self, task: Task, limit: int, remaining: float) -> dict:
@@ -116,7 +116,7 @@ class CompileEvaluator(Evaluator):
         t0 = time.perf_counter()
         try:
             lowered = analysis.lower_for_estimate(task.workload, task.bs, task.generation, task.model,
-                                                  task.limits, task.case, vmem_limit_bytes=limit)
+                                                  task.limits, task.case, **_options(task, limit))
         except Exception as e:  # noqa: BLE001 - classified below
             return {"status": base.COMPILE_ERROR, "message": f"lowering failed: {type(e).__name__}: {e}"}
         t1 = time.perf_counter()
@@ -164,6 +164,15 @@ class CompileEvaluator(Evaluator):
 
 
 _NOISE = ("could not determine TPU accelerator type", "Failed to find host bounds")
+
+
+def _options(task: Task, limit: int) -> dict:
+    """The kernel options of an estimate: the scoped VMEM limit, and the attention window
+    when the task tunes a sliding-window key."""
+    opts = {"vmem_limit_bytes": limit}
+    if task.sliding_window is not None:
+        opts["sliding_window"] = int(task.sliding_window)
+    return opts
 
 
 def _tail(text: str, n: int = 1200) -> str:

@@ -93,12 +93,15 @@ class InterpretEvaluator(Evaluator):
         limits, w = interpret_problem(task)
         inp = make_inputs(task.model, limits, w, seed=task.seed)
         sm_scale = task.model.head_dim ** -0.5
-        ref_out, ref_cache = kernel.reference.ragged_paged_attention(**inp, sm_scale=sm_scale)
+        window = task.sliding_window
+        ref_out, ref_cache = kernel.reference.ragged_paged_attention(**inp, sm_scale=sm_scale,
+                                                                     sliding_window=window)
         kw = {block_sizes_arg(task.case): tuple(task.bs)}
         t0 = time.perf_counter()
         try:
             out, cache = kernel.ragged_paged_attention(**{k: jnp.asarray(v) for k, v in inp.items()},
-                                                       sm_scale=sm_scale, interpret=True, **kw)
+                                                       sm_scale=sm_scale, sliding_window=window,
+                                                       interpret=True, **kw)
             out, cache = np.asarray(out), np.asarray(cache)
         except Exception as e:  # noqa: BLE001 - a config the kernel cannot run
             return EvalResult(base.COMPILE_ERROR, self.method, device_kind="cpu (interpret)",
@@ -108,7 +111,8 @@ class InterpretEvaluator(Evaluator):
         if corrupt and corrupt in ("*", task.bs.label()):
             out = (out.astype(np.float32) + 1.0).astype(out.dtype)
         problems = reference_mismatches(out, cache, ref_out, ref_cache, w.num_tokens, task.model.kv_dtype)
-        desc = f"workload q={list(w.q_lens)} kv={list(w.kv_lens)}, page {limits.page_size}"
+        desc = f"workload q={list(w.q_lens)} kv={list(w.kv_lens)}, page {limits.page_size}" + (
+            f", sliding window {window}" if window is not None else "")
         if problems:
             return EvalResult(base.WRONG_RESULT, self.method, compile_s=run_s, device_kind="cpu (interpret)",
                               samples=1, message="; ".join(problems) + f" ({desc})")

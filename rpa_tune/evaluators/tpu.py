@@ -194,7 +194,8 @@ class TpuEvaluator(Evaluator):
         compile_s = None
         while True:
             fn = jax.jit(functools.partial(kernel.ragged_paged_attention, sm_scale=sm_scale,
-                                           vmem_limit_bytes=limit, **{block_sizes_arg(task.case): tuple(task.bs)}),
+                                           sliding_window=task.sliding_window, vmem_limit_bytes=limit,
+                                           **{block_sizes_arg(task.case): tuple(task.bs)}),
                          donate_argnums=(3,))
             t0 = time.perf_counter()
             try:
@@ -219,7 +220,8 @@ class TpuEvaluator(Evaluator):
         # device before it is timed: a wrong config is recorded as wrong_result and never
         # wins.
         from .interpret import reference_mismatches
-        ref_out, ref_cache = kernel.reference.ragged_paged_attention(**inp, sm_scale=sm_scale)
+        ref_out, ref_cache = kernel.reference.ragged_paged_attention(**inp, sm_scale=sm_scale,
+                                                                     sliding_window=task.sliding_window)
         out0, cache0 = compiled(*args)
         problems = reference_mismatches(out0, cache0, ref_out, ref_cache, task.workload.num_tokens,
                                         task.model.kv_dtype)
