@@ -219,19 +219,19 @@ def mixed_estimate(kernel, gen, bs) -> Estimate:
 def rows(gens, only):
     """(gen, workload name, case, Workload, {kernel: {bs: Estimate}})"""
     for gen in gens:
-        if only in (None, "decode"):
+        if not only or "decode" in only:
             for L in DECODE_LENS:
                 for page in PAGES:
                     w = Workload.of_case("decode", [1] * 128, [L] * 128)
                     yield gen, f"decode 128 x {L}, page {page}", Case.DECODE, w, {
                         k: {bs: decode_estimate(k, gen, bs, page, 128, L) for bs in CANDIDATES[Case.DECODE]}
                         for k in KERNELS}
-        if only in (None, "prefill"):
+        if not only or "prefill" in only:
             for L in PREFILL_LENS:
                 w = Workload.of_case("prefill", [L], [L])
                 yield gen, f"causal prefill 1 x {L}", Case.PREFILL, w, {
                     k: {bs: prefill_estimate(k, gen, bs, L) for bs in CANDIDATES[Case.PREFILL]} for k in KERNELS}
-        if only in (None, "mixed"):
+        if not only or "mixed" in only:
             w = Workload.of_case("mixed", *MIXED_STEP)
             yield gen, "mixed: 4 x spec-4 at 2K + 128 after 512", Case.MIXED, w, {
                 k: {bs: mixed_estimate(k, gen, bs) for bs in CANDIDATES[Case.MIXED]} for k in KERNELS}
@@ -256,10 +256,24 @@ def fmt_cell(b) -> str:
             f"{'' if t['rate_ok'] else ', rate > peak'}")
 
 
+_KEY_LINES = ("Ran out of memory", "Check failed", "RESOURCE_EXHAUSTED", "memory cap", "exceeded", "Error", "error")
+
+
+def _one_line(message: str, width: int = 200) -> str:
+    """The line of a failure message that says what failed (a crash's message ends in a
+    stack dump), on one line for the markdown notes."""
+    lines = [" ".join(l.split()) for l in (message or "").replace("\\n", "\n").splitlines()]
+    lines = [l for l in lines if l and not l.startswith(("@", "https://", "***", "E1", "F1", "==="))]
+    pick = next((l for l in lines if any(k in l for k in _KEY_LINES)), lines[-1] if lines else "")
+    at = min((pick.find(k) for k in _KEY_LINES if k in pick), default=0)
+    return pick[at:at + width]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tpu", action="append", default=None)
-    ap.add_argument("--only", choices=["decode", "prefill", "mixed"], default=None)
+    ap.add_argument("--only", action="append", choices=["decode", "prefill", "mixed"], default=None,
+                    help="only these cases (repeatable; default: all)")
     ap.add_argument("--check", action="append", choices=["decode", "prefill"], default=[],
                     help="also compile whole workloads to check that rule (repeatable)")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "vs_public.md"))
@@ -278,7 +292,7 @@ def main() -> None:
         for k in KERNELS:
             for bs, e in per[k].items():
                 if e.status != "ok":
-                    notes.append(f"- {gen} {name}, {k} {tuple(bs)}: {e.status}: {e.message.strip()[-160:]}")
+                    notes.append(f"- {gen} {name}, {k} {tuple(bs)}: {e.status}: {_one_line(e.message)}")
                 elif e.reasons:
                     notes.append(f"- {gen} {name}, {k} {tuple(bs)}: audit incomplete: {'; '.join(e.reasons)[:200]}")
     if args.check:
