@@ -231,6 +231,17 @@ def _split_words(w, v_scale, v_ok=None):
     return k, v
 
 
+def _bf16_exact(x):
+    """f32 ``x`` holding bf16 values (K read from a bf16 or fp8 cache) -> bf16, by dropping
+    the low 16 bits of each word (exact for such values). A float conversion (``vpack``)
+    would type the result as packed bf16 in LLO, and the transpose of K for q @ K^T
+    unpacks it as 16-bit integers: with the profiler on, every generation's compiler then
+    fails its LLO type check ("Expected vector-int16, got vector-bf16packed" at a
+    ``vunpack``), and fp8 KV could not be estimated."""
+    w = jax.lax.bitcast_convert_type(x, jnp.uint32) >> 16
+    return pltpu.bitcast(w.astype(jnp.uint16), jnp.bfloat16)
+
+
 def _row_tile(rows: int, ckv: int) -> int:
     """Rows of q per online-softmax update: the largest divisor of ``rows`` that is a
     multiple of 16 (a bf16 q tile) and keeps the f32 score tile (rows x ckv) within
@@ -505,9 +516,10 @@ def _make_kernel(spec: KernelSpec, interpret: bool = False):
         # the block viewed as uint32. The interpreter cannot load through a reshaped /
         # bitcast ref, so under interpret it loads the chunk and bitcasts the value; both
         # read the same words (pltpu.bitcast packs rows 2i, 2i+1 into word i).
-        # Mosaic's strided load needs a 128-lane last dim, so head_dim > 128 keeps the
-        # unpack path too.
-        word_split = pk == 2 and Dp == LANES
+        # Mosaic's strided load needs a base ref with a 128-lane last dim: for head_dim >
+        # 128 the word rows are viewed as Dp / 128 rows of 128 lanes (the same bytes: the
+        # buffer is tiled (1, 128)) and each lane tile is one strided load.
+        word_split = pk == 2 and Dp % LANES == 0
         buf_rows = kv_buffer_rows(spec.kv_rows)
 
         def kv_words(kvslot, x, h):
@@ -517,7 +529,13 @@ def _make_kernel(spec: KernelSpec, interpret: bool = False):
                 words = pltpu.bitcast(raw.reshape(ckv * buf_rows * pk, Dp), jnp.uint32)
                 return words.reshape(ckv, buf_rows, Dp)[:, h, :]
             words = kv_buf.at[kvslot].reshape(bkv * buf_rows * pk, Dp).bitcast(jnp.uint32)
-            return words[pl.ds(x * (ckv * buf_rows) + h, ckv, stride=buf_rows), :]
+            if Dp == LANES:
+                return words[pl.ds(x * (ckv * buf_rows) + h, ckv, stride=buf_rows), :]
+            nt = Dp // LANES                 # word row r, lane tile j -> row r * nt + j
+            tiles = words.reshape(bkv * buf_rows * nt, LANES)
+            row0 = (x * (ckv * buf_rows) + h) * nt
+            return jnp.concatenate([tiles[pl.ds(row0 + j, ckv, stride=buf_rows * nt), :] for j in range(nt)],
+                                   axis=1)
 
         def compute_step(info, i, k_step, kvslot, c0, nc, n0):
             q_start, q_len, kv_len, ctx, _ = info
@@ -617,7 +635,7 @@ def _make_kernel(spec: KernelSpec, interpret: bool = False):
                             break
                         kk, vv = split_kv(kv, j)
                         vv = jnp.where(v_ok, vv, 0.0)
-                        kk = kk.astype(jnp.bfloat16)
+                        kk = _bf16_exact(kk)
                         vv = vv.astype(jnp.bfloat16)
                         _when_head(h, functools.partial(attend, h, kk, vv))
                     return carry2

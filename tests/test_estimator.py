@@ -73,9 +73,9 @@ def test_time_model_rejects_an_impossible_rate():
     assert slow["rate_ok"] and slow["active_bound"] == "estimate" and slow["mbu"] < 0.01
 
 
-def _profile(case, w, bs, gen="v6e"):
+def _profile(case, w, bs, gen="v6e", model=LLAMA):
     req = dict(workload=dict(q_lens=list(w.q_lens), kv_lens=list(w.kv_lens), distribution=list(w.distribution)),
-               block_sizes=list(bs), tpu=gen, model=dataclasses.asdict(LLAMA), limits=dataclasses.asdict(LIM),
+               block_sizes=list(bs), tpu=gen, model=dataclasses.asdict(model), limits=dataclasses.asdict(LIM),
                case=case)
     r = profiler.profile("rpa_tune.estimator.ours:lower", req, timeout=600)
     assert r["status"] == "ok", r.get("message")
@@ -99,6 +99,29 @@ def test_step_plan_matches_the_page_dmas_in_the_trace(case, q, kv, bs, gen):
     assert tr.dma_issues.get("hbm_to_vmem", 0) == f["page_cached"] > 0
     from rpa_tune.estimator.calibration import calibration
     a = audit.audit_trace(tr, audit.needed(w, LLAMA, case), calibration(gen))
+    assert a.verdict == audit.COMPLETE, a.reasons
+
+
+GEMMA_256 = ModelShape(16, 8, 256)
+LLAMA_FP8 = ModelShape(32, 8, 128, kv_dtype="float8_e4m3fn")
+
+
+@pytest.mark.parametrize("gen", ["v5e", "v6e", "tpu7x"])
+@pytest.mark.parametrize("model", [GEMMA_256, LLAMA_FP8], ids=["head_dim256", "fp8"])
+def test_head_dim_256_and_fp8_kv_are_estimable(gen, model):
+    """Both failed on every generation: an LLO type check on the converted K (head_dim 256
+    on all, fp8 on TPU7x) or 0 cycles (fp8 on v5e / v6e, with the output donated), and
+    head_dim 256 passed the 3 GB cap on the XLA ops around the kernel. The probe workload's
+    page DMAs are in the trace and it passes its audit."""
+    bs = BlockSizes(1, 256, 1, 128)
+    q, kv = [1] * 3, [300, 129, 77]
+    w = Workload.of_case("decode", q, kv)
+    r = _profile("decode", w, bs, gen, model)
+    assert r["cycles"] > 0 and r["max_rss_bytes"] < 1.5 * 2**30
+    tr = TraceStats.from_json(r["trace"])
+    assert tr.dma_issues.get("hbm_to_vmem", 0) == features("decode", bs, LIM.page_size, q, kv)["page_cached"] > 0
+    from rpa_tune.estimator.calibration import calibration
+    a = audit.audit_trace(tr, audit.needed(w, model, "decode"), calibration(gen))
     assert a.verdict == audit.COMPLETE, a.reasons
 
 
