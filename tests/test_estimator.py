@@ -102,6 +102,26 @@ def test_step_plan_matches_the_page_dmas_in_the_trace(case, q, kv, bs, gen):
     assert a.verdict == audit.COMPLETE, a.reasons
 
 
+@pytest.mark.parametrize("case,q,kv,bs,smaller", [
+    ("prefill", [128, 64], [128 + 640, 64], BlockSizes(128, 512, 128, 256), True),
+    ("mixed", [1, 1, 64], [900, 300, 600], BlockSizes(64, 512, 64, 256), False),
+])
+def test_fast_forward_changes_no_cycle_of_a_prefill_or_mixed_program(case, q, kv, bs, smaller):
+    """The composition's prefill / mixed probes run the profiler with loop fast-forward
+    (profiler.FAST_FORWARD_FLAG), which is not exact for long loops: it must leave these
+    programs' cycles and trace totals as they are, at a fraction of the memory."""
+    w = Workload.of_case(case, q, kv)
+    req = dict(workload=dict(q_lens=list(w.q_lens), kv_lens=list(w.kv_lens), distribution=list(w.distribution)),
+               block_sizes=list(bs), tpu="v6e", model=dataclasses.asdict(LLAMA), limits=dataclasses.asdict(LIM),
+               case=case)
+    plain = profiler.profile(compose.OURS, req, timeout=600, rss_cap=8 << 30)
+    fast = profiler.profile(compose.OURS, req, timeout=600, fast_forward=True)
+    assert plain["status"] == fast["status"] == "ok", (plain.get("message"), fast.get("message"))
+    assert fast["cycles"] == plain["cycles"] and fast["trace"] == plain["trace"]
+    if smaller:
+        assert fast["max_rss_bytes"] < 0.5 * plain["max_rss_bytes"]
+
+
 GEMMA_256 = ModelShape(16, 8, 256)
 LLAMA_FP8 = ModelShape(32, 8, 128, kv_dtype="float8_e4m3fn")
 

@@ -218,6 +218,7 @@ def _cache_key(doc: dict) -> str:
     return hashlib.sha256(json.dumps(full, sort_keys=True).encode()).hexdigest()[:24]
 
 
+OURS = "rpa_tune.estimator.ours:lower"
 PROBE_VERSION = "3"     # the probe workloads (``probes``); the fit is redone from cached cycles
 
 
@@ -242,6 +243,10 @@ def probe_config(*, builder: str, case: Case | str, bs: BlockSizes, tpu: str, mo
     bs = BlockSizes.coerce(bs)
     doc = dict(builder=builder, case=case.value, bs=list(bs), tpu=tpu, model=model, limits=limits,
                options=options or {})
+    # our prefill / mixed programs only: see profiler.FAST_FORWARD_FLAG
+    fast = case != Case.DECODE and builder == OURS
+    if fast:
+        doc["profiler"] = "fast_forward"
     source = kernel_hash()       # what the cache key holds; every probe must have compiled it
     path = os.path.join(_cache_dir(), _cache_key(doc) + ".json")
     from kernel.config import get_generation
@@ -268,9 +273,9 @@ def probe_config(*, builder: str, case: Case | str, bs: BlockSizes, tpu: str, mo
         left = None if deadline is None else max(1.0, deadline - time.monotonic())
         req = dict(doc, workload=dict(q_lens=list(w.q_lens), kv_lens=list(w.kv_lens),
                                       distribution=list(w.distribution)), block_sizes=list(bs))
-        for k in ("builder", "bs"):
-            req.pop(k)
-        r = profiler.profile(builder, req, timeout=left, expect_kernel_hash=source)
+        for k in ("builder", "bs", "profiler"):
+            req.pop(k, None)
+        r = profiler.profile(builder, req, timeout=left, expect_kernel_hash=source, fast_forward=fast)
         out["max_rss_bytes"] = max(out["max_rss_bytes"], r.get("max_rss_bytes") or 0)
         out["compile_s"] += (r.get("lower_s") or 0.0) + (r.get("compile_s") or 0.0)
         if r["status"] != "ok":

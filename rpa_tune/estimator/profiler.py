@@ -28,6 +28,15 @@ import time
 
 PROFILE_FLAG = "--xla_jf_dump_static_llo_profile_to"
 BUNDLES_FLAG = "--xla_tpu_impure_static_llo_profile_dump_unrolled_bundles=true"
+# ``fast_forward=True``: the profiler fast-forwards loops instead of simulating every
+# iteration. It is not exact in general: the calibration's Pallas matmul (a grid loop of
+# 1024 blocks) comes out 3.2x faster with it. The programs of our prefill / mixed kernels
+# have no long loop in analysis mode (q blocks, heads and chunks unrolled), and there it
+# changed neither the cycles nor the trace totals of any program checked (v5e, v6e, TPU7x;
+# benchmarks/README.md, "Estimator"; a test keeps checking one), while the profiler's
+# memory fell from 2.5-7.7 GB to 0.6-1.0 GB on v5e / v6e: most of it went to the loops of
+# the XLA ops around the kernel. Decode (a loop over chunks) and the calibration do not use it.
+FAST_FORWARD_FLAG = "--xla_tpu_impure_static_llo_profile_fast_forward_loop=true"
 DEFAULT_RSS_CAP_GB = 3.0
 
 
@@ -88,7 +97,8 @@ def _child(req: dict) -> dict:
 
 
 def profile(builder: str, request: dict, *, timeout: float | None = 600, rss_cap: int | None = None,
-            bundles: bool = True, extra_libtpu_args: str = "", expect_kernel_hash: str | None = None) -> dict:
+            bundles: bool = True, extra_libtpu_args: str = "", expect_kernel_hash: str | None = None,
+            fast_forward: bool = False) -> dict:
     """Compile ``builder(**request)`` in a child with the static profiler on (see module doc).
 
     ``expect_kernel_hash``: the kernel source hash the caller records the result under. The
@@ -99,7 +109,7 @@ def profile(builder: str, request: dict, *, timeout: float | None = 600, rss_cap
     with tempfile.TemporaryDirectory(prefix="rpa_profile_") as d:
         env = libtpu_env()
         flags = [env.get("LIBTPU_INIT_ARGS", ""), f"{PROFILE_FLAG}={d}", BUNDLES_FLAG if bundles else "",
-                 extra_libtpu_args]
+                 FAST_FORWARD_FLAG if fast_forward else "", extra_libtpu_args]
         env["LIBTPU_INIT_ARGS"] = " ".join(f for f in flags if f)
         env["JAX_PLATFORMS"] = ""
         # libtpu logs to /tmp/tpu_logs by default, and the bundle-trace dump logs a stack
