@@ -122,6 +122,44 @@ def test_fast_forward_changes_no_cycle_of_a_prefill_or_mixed_program(case, q, kv
         assert fast["max_rss_bytes"] < 0.5 * plain["max_rss_bytes"]
 
 
+def test_a_probe_whose_fast_forwarded_trace_misses_work_is_profiled_again_without(monkeypatch, tmp_path):
+    """Fast-forward can drop a loop's work from both the trace and the cycles; the audit
+    sees it, and the probe is compiled again without fast-forward (whose cycles are used)."""
+    from rpa_tune.estimator import trace as trace_mod
+
+    calls = []
+
+    def fake_profile(builder, req, *, timeout=None, expect_kernel_hash=None, fast_forward=False, **kw):
+        calls.append(fast_forward)
+        kv = sum(req["workload"]["kv_lens"])
+        return {"status": "ok", "cycles": 10 if fast_forward else 1000 + 3 * kv, "trace": {"ff": fast_forward},
+                "max_rss_bytes": 1, "compile_s": 0.1, "lower_s": 0.1}
+
+    class Verdict:
+        def __init__(self, ok):
+            self.verdict = audit.COMPLETE if ok else audit.INCOMPLETE
+            self.reasons = [] if ok else ["trace holds 0% of the needed MXU FLOPs"]
+
+        def to_json(self):
+            return {"verdict": self.verdict}
+
+    monkeypatch.setattr(profiler, "profile", fake_profile)
+    monkeypatch.setattr(trace_mod.TraceStats, "from_json", staticmethod(lambda d: d))
+    monkeypatch.setattr(audit, "audit_trace", lambda tr, need, cal: Verdict(not tr["ff"]))
+    monkeypatch.setenv("RPA_TUNE_PROBE_CACHE", str(tmp_path))
+    bs = BlockSizes(128, 512, 128, 256)
+    pr = compose.probe_config(builder=compose.OURS, case="prefill", bs=bs, tpu="v6e",
+                              model=dataclasses.asdict(LLAMA), limits=dataclasses.asdict(LIM), use_cache=False)
+    n = len(compose.probes("prefill", bs, LIM.page_size))
+    assert calls == [True, False] * n
+    assert pr["status"] == "ok" and pr["audit"] == audit.COMPLETE
+    assert all(not p["fast_forward"] and p["cycles"] == 1000 + 3 * sum(p["kv_lens"]) for p in pr["probes"])
+    calls.clear()
+    compose.probe_config(builder=compose.OURS, case="decode", bs=BlockSizes(1, 512, 1, 256), tpu="v6e",
+                         model=dataclasses.asdict(LLAMA), limits=dataclasses.asdict(LIM), use_cache=False)
+    assert calls and not any(calls)          # decode never fast-forwards
+
+
 GEMMA_256 = ModelShape(16, 8, 256)
 LLAMA_FP8 = ModelShape(32, 8, 128, kv_dtype="float8_e4m3fn")
 

@@ -275,20 +275,31 @@ def probe_config(*, builder: str, case: Case | str, bs: BlockSizes, tpu: str, mo
                                       distribution=list(w.distribution)), block_sizes=list(bs))
         for k in ("builder", "bs", "profiler"):
             req.pop(k, None)
-        r = profiler.profile(builder, req, timeout=left, expect_kernel_hash=source, fast_forward=fast)
-        out["max_rss_bytes"] = max(out["max_rss_bytes"], r.get("max_rss_bytes") or 0)
-        out["compile_s"] += (r.get("lower_s") or 0.0) + (r.get("compile_s") or 0.0)
+        from .trace import TraceStats
+        need = audit_mod.needed(w, shape, case)
+        forwarded = fast
+        while True:
+            r = profiler.profile(builder, req, timeout=left, expect_kernel_hash=source, fast_forward=forwarded)
+            out["max_rss_bytes"] = max(out["max_rss_bytes"], r.get("max_rss_bytes") or 0)
+            out["compile_s"] += (r.get("lower_s") or 0.0) + (r.get("compile_s") or 0.0)
+            a = audit_mod.audit_trace(TraceStats.from_json(r["trace"]), need, cal) if r["status"] == "ok" else None
+            # A fast-forwarded loop leaves the trace (and the cycles) without its skipped
+            # iterations, which the audit sees as missing work: such a probe is profiled
+            # again without fast-forward (so is one whose profiler crashed).
+            if forwarded and r["status"] in ("ok", "crash") and (a is None or a.verdict != audit_mod.COMPLETE):
+                forwarded = False
+                left = None if deadline is None else max(1.0, deadline - time.monotonic())
+                continue
+            break
         if r["status"] != "ok":
             return dict(r, probe=dict(q_lens=p.q_lens, kv_lens=p.kv_lens), compile_s=out["compile_s"],
                         max_rss_bytes=out["max_rss_bytes"])
-        from .trace import TraceStats
-        a = audit_mod.audit_trace(TraceStats.from_json(r["trace"]), audit_mod.needed(w, shape, case), cal)
         if a.verdict != audit_mod.COMPLETE:
             out["audit"] = audit_mod.INCOMPLETE
             out["reasons"] += [f"probe {list(p.q_lens)}/{list(p.kv_lens)}: {x}" for x in a.reasons]
         out["probes"].append(dict(q_lens=list(p.q_lens), kv_lens=list(p.kv_lens), cycles=r["cycles"],
                                   audit=a.to_json(), max_rss_bytes=r.get("max_rss_bytes"),
-                                  compile_s=r.get("compile_s")))
+                                  compile_s=r.get("compile_s"), fast_forward=forwarded))
     m = fit(case, bs, limits["page_size"], plist, [p["cycles"] for p in out["probes"]], window, skip)
     out["skip_dead_chunks"] = skip
     out["model"] = m.to_json()
