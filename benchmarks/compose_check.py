@@ -54,6 +54,9 @@ def workloads() -> list[tuple[str, Workload]]:
         ("mixed 4 spec-4 + 256 after 512", m([4] * 4 + [256], [2048] * 4 + [768])),
         ("mixed 6 x 1 lognormal + 64", m([1] * 6 + [64], ln(6, 1024) + [64])),
         ("mixed 100 + 3 x 1", m([100, 1, 1, 1], [900, 3000, 40, 1200])),
+        # added later, after the ones above (so their lognormal draws are unchanged)
+        ("decode 32 x 1K", d([1025] * 32)), ("decode 48 lognormal ~1K", d(ln(48, 1024))),
+        ("decode 2 x 8K", d([8193] * 2)), ("decode 24 x 300", d([300] * 24)),
     ]
 
 
