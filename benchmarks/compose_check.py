@@ -125,7 +125,7 @@ def main() -> None:
                     compose.Probe(tuple(p["q_lens"]), tuple(p["kv_lens"])) for p in rec["probes"]],
                     [p["cycles"] for p in rec["probes"]], skip_dead_chunks=recorded_skip(rec))
             if case not in models:
-                pr = compose.probe_config(builder="rpa_tune.estimator.ours:lower", case=case, bs=bs, tpu=gen,
+                pr = compose.probe_config(builder=compose.OURS, case=case, bs=bs, tpu=gen,
                                           model=dataclasses.asdict(MODEL), limits=dataclasses.asdict(limits))
                 if pr.get("environment"):     # e.g. a full disk or an edited kernel: not recorded
                     raise SystemExit(f"compose_check: {pr['message'][:300]}")
@@ -152,7 +152,7 @@ def main() -> None:
                 continue
             if r is None:
                 t0 = time.time()
-                r = profiler.profile("rpa_tune.estimator.ours:lower", req, timeout=1800, rss_cap=16 << 30,
+                r = profiler.profile(compose.OURS, req, timeout=1800, rss_cap=16 << 30,
                                      bundles=False, expect_kernel_hash=kh)
                 if r.get("environment"):     # e.g. a full disk: not the workload's result
                     raise SystemExit(f"compose_check: {r['message'][:300]}")

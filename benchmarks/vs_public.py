@@ -53,7 +53,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kernel.config import BlockSizes, Case, cdiv  # noqa: E402
 from kernel.workload import ModelShape, ServingLimits, Workload  # noqa: E402
-from rpa_tune.estimator import audit, profiler  # noqa: E402
+from rpa_tune.estimator import audit, compose, profiler  # noqa: E402
 from rpa_tune.estimator.calibration import calibration  # noqa: E402
 from rpa_tune.estimator.trace import TraceStats  # noqa: E402
 from kernel.hardware import tpu_info  # noqa: E402
@@ -63,7 +63,7 @@ from rpa_tune.provenance import kernel_hash  # noqa: E402
 HERE = os.path.dirname(os.path.abspath(__file__))
 CACHE = os.path.join(HERE, "results", "vs_public.jsonl")
 MODEL = ModelShape(32, 8, 128)      # Llama-3-8B: 32 q / 8 KV heads, head_dim 128, bf16
-KERNELS = {"ours": "rpa_tune.estimator.ours:lower", "public": "rpa_tune.estimator.public:lower"}
+KERNELS = {"ours": compose.OURS, "public": "rpa_tune.estimator.public:lower"}
 CANDIDATES = {
     Case.DECODE: [BlockSizes(1, 512, 1, 512), BlockSizes(1, 1024, 1, 1024), BlockSizes(1, 2048, 1, 1024)],
     Case.PREFILL: [BlockSizes(128, 512, 128, 256), BlockSizes(256, 1024, 128, 512)],

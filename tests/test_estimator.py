@@ -73,11 +73,14 @@ def test_time_model_rejects_an_impossible_rate():
     assert slow["rate_ok"] and slow["active_bound"] == "estimate" and slow["mbu"] < 0.01
 
 
+def _request(case, w, bs, gen="v6e", model=LLAMA) -> dict:
+    return dict(workload=dict(q_lens=list(w.q_lens), kv_lens=list(w.kv_lens), distribution=list(w.distribution)),
+                block_sizes=list(bs), tpu=gen, model=dataclasses.asdict(model), limits=dataclasses.asdict(LIM),
+                case=case)
+
+
 def _profile(case, w, bs, gen="v6e", model=LLAMA):
-    req = dict(workload=dict(q_lens=list(w.q_lens), kv_lens=list(w.kv_lens), distribution=list(w.distribution)),
-               block_sizes=list(bs), tpu=gen, model=dataclasses.asdict(model), limits=dataclasses.asdict(LIM),
-               case=case)
-    r = profiler.profile("rpa_tune.estimator.ours:lower", req, timeout=600)
+    r = profiler.profile(compose.OURS, _request(case, w, bs, gen, model), timeout=600)
     assert r["status"] == "ok", r.get("message")
     return r
 
@@ -110,10 +113,7 @@ def test_fast_forward_changes_no_cycle_of_a_prefill_or_mixed_program(case, q, kv
     """The composition's prefill / mixed probes run the profiler with loop fast-forward
     (profiler.FAST_FORWARD_FLAG), which is not exact for long loops: it must leave these
     programs' cycles and trace totals as they are, at a fraction of the memory."""
-    w = Workload.of_case(case, q, kv)
-    req = dict(workload=dict(q_lens=list(w.q_lens), kv_lens=list(w.kv_lens), distribution=list(w.distribution)),
-               block_sizes=list(bs), tpu="v6e", model=dataclasses.asdict(LLAMA), limits=dataclasses.asdict(LIM),
-               case=case)
+    req = _request(case, Workload.of_case(case, q, kv), bs)
     plain = profiler.profile(compose.OURS, req, timeout=600, rss_cap=8 << 30)
     fast = profiler.profile(compose.OURS, req, timeout=600, fast_forward=True)
     assert plain["status"] == fast["status"] == "ok", (plain.get("message"), fast.get("message"))
@@ -189,7 +189,7 @@ def test_composed_matches_a_full_compile_and_ignores_sequence_order(tmp_path, mo
     kernel read a page count from a dynamic SMEM address)."""
     monkeypatch.setenv("RPA_TUNE_PROBE_CACHE", str(tmp_path))
     bs = BlockSizes(1, 512, 1, 512)
-    pr = compose.probe_config(builder="rpa_tune.estimator.ours:lower", case="decode", bs=bs, tpu="v6e",
+    pr = compose.probe_config(builder=compose.OURS, case="decode", bs=bs, tpu="v6e",
                               model=dataclasses.asdict(LLAMA), limits=dataclasses.asdict(LIM))
     assert pr["status"] == "ok" and pr["audit"] == audit.COMPLETE, pr.get("reasons")
     m = compose.model_from_json(pr["model"])

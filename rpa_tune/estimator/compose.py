@@ -268,29 +268,31 @@ def probe_config(*, builder: str, case: Case | str, bs: BlockSizes, tpu: str, mo
     deadline = None if timeout is None else time.monotonic() + timeout
     out = {"status": "ok", "probes": [], "audit": audit_mod.COMPLETE, "reasons": [], "compile_s": 0.0,
            "max_rss_bytes": 0}
+    from .trace import TraceStats
     for p in plist:
         w = p.workload(case)
-        left = None if deadline is None else max(1.0, deadline - time.monotonic())
         req = dict(doc, workload=dict(q_lens=list(w.q_lens), kv_lens=list(w.kv_lens),
                                       distribution=list(w.distribution)), block_sizes=list(bs))
         for k in ("builder", "bs", "profiler"):
             req.pop(k, None)
-        from .trace import TraceStats
         need = audit_mod.needed(w, shape, case)
-        forwarded = fast
-        while True:
-            r = profiler.profile(builder, req, timeout=left, expect_kernel_hash=source, fast_forward=forwarded)
+
+        def attempt(forward: bool):
+            left = None if deadline is None else max(1.0, deadline - time.monotonic())
+            r = profiler.profile(builder, req, timeout=left, expect_kernel_hash=source, fast_forward=forward)
             out["max_rss_bytes"] = max(out["max_rss_bytes"], r.get("max_rss_bytes") or 0)
             out["compile_s"] += (r.get("lower_s") or 0.0) + (r.get("compile_s") or 0.0)
             a = audit_mod.audit_trace(TraceStats.from_json(r["trace"]), need, cal) if r["status"] == "ok" else None
-            # A fast-forwarded loop leaves the trace (and the cycles) without its skipped
-            # iterations, which the audit sees as missing work: such a probe is profiled
-            # again without fast-forward (so is one whose profiler crashed).
-            if forwarded and r["status"] in ("ok", "crash") and (a is None or a.verdict != audit_mod.COMPLETE):
-                forwarded = False
-                left = None if deadline is None else max(1.0, deadline - time.monotonic())
-                continue
-            break
+            return r, a
+
+        forwarded = fast
+        r, a = attempt(forwarded)
+        # A fast-forwarded loop leaves the trace (and the cycles) without its skipped
+        # iterations, which the audit sees as missing work: such a probe is profiled again
+        # without fast-forward (so is one whose profiler crashed).
+        if forwarded and r["status"] in ("ok", "crash") and (a is None or a.verdict != audit_mod.COMPLETE):
+            forwarded = False
+            r, a = attempt(forwarded)
         if r["status"] != "ok":
             return dict(r, probe=dict(q_lens=p.q_lens, kv_lens=p.kv_lens), compile_s=out["compile_s"],
                         max_rss_bytes=out["max_rss_bytes"])

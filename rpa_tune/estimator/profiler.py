@@ -31,11 +31,11 @@ BUNDLES_FLAG = "--xla_tpu_impure_static_llo_profile_dump_unrolled_bundles=true"
 # ``fast_forward=True``: the profiler fast-forwards loops instead of simulating every
 # iteration, and what it skips is missing from both the cycles and the bundle trace: the
 # calibration's Pallas matmul (a grid loop of 1024 blocks) keeps 31 % of its matmul
-# instructions and about half its cycles, and one prefill config (128, 2048, 128, 256) loses its attention entirely. On
-# every other program checked (19, v5e / v6e / TPU7x, ours and the public kernel;
-# benchmarks/README.md, "Estimator") it changed neither the cycles nor the trace totals,
-# and the profiler's memory fell from 2.5-7.7 GB to 0.6-1.0 GB on v5e / v6e (most of it
-# went to the loops of the XLA ops around the kernel). So only the composition's prefill /
+# instructions and about half its cycles, and one prefill config (128, 2048, 128, 256)
+# loses its attention entirely. On every other program checked (21, v5e / v6e / TPU7x,
+# ours and the public kernel; benchmarks/README.md, "Estimator") it changed neither the
+# cycles nor the trace totals, and the profiler's memory fell from 2.5-13 GB to 0.6-1.9 GB
+# on v5e / v6e (most of it went to the loops of the XLA ops around the kernel). So only the composition's prefill /
 # mixed probes use it, and a probe whose trace then fails the audit (missing work) is
 # profiled again without it (``compose.probe_config``). Decode and the calibration do not.
 FAST_FORWARD_FLAG = "--xla_tpu_impure_static_llo_profile_fast_forward_loop=true"

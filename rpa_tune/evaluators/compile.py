@@ -103,7 +103,7 @@ class CompileEvaluator(Evaluator):
     def _estimate(self, task: Task, limit: int, remaining: float) -> dict:
         import dataclasses
         from rpa_tune.estimator import compose
-        r = compose.probe_config(builder="rpa_tune.estimator.ours:lower", case=task.case, bs=task.bs,
+        r = compose.probe_config(builder=compose.OURS, case=task.case, bs=task.bs,
                                  tpu=task.generation, model=dataclasses.asdict(task.model),
                                  limits=dataclasses.asdict(task.limits),
                                  options=_options(task, limit), timeout=remaining)
