@@ -113,6 +113,16 @@ def lower_deviceless(model: ModelShape, limits: ServingLimits, tpu: str, block_s
         shapes = jax.eval_shape(lambda q, k, v, c: prepare_inputs(q, k, v, c, options),
                                 *(args[k] for k in order[:4]))
         sh = args["kv_cache"].sharding
+        # q / o with as many rows as the new K/V (which prefill / mixed read a KV block at
+        # a time, so it has bkv rows of padding where q / o need bq): with a few-token
+        # decode's q / o (4 rows) the static profiler reported 0 cycles for the kernel on
+        # v5e and v6e, and the rows it takes to profile vary (a 3-token decode with the new
+        # K/V at 259 rows: fp8 from 68-131 rows on, head_dim 256 from 513-1024); with the
+        # new K/V's rows it profiles on every generation tested. The kernel
+        # never reads past the workload's tokens, so the rows cost it nothing.
+        rows = shapes[1].shape[0]
+        shapes = [x if i == 1 else jax.ShapeDtypeStruct((max(x.shape[0], rows),) + x.shape[1:], x.dtype)
+                  for i, x in enumerate(shapes)]
         prepped = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh) for x in shapes]
         fn = lambda q, nkv, o, cache, *meta: run_cases(
             q, nkv, o, cache, *meta, num_kv_heads=model.num_kv_heads, group=model.group,

@@ -188,17 +188,22 @@ def prepare_inputs(queries, keys, values, kv_cache, options: Options):
     Dp = round_up(D, 128)
     kv_rows, pk = kv_cache.shape[2], kv_cache.shape[3]
     bss = options.block_sizes
-    pad_rows = max([bs.bq for bs in bss] + [bs.bkv for bs in bss[1:]] + [1])
+    # Rows past the last token, so that a block's DMA stays in bounds: q and o are read and
+    # written a q block (bq rows) at a time; the new K/V rows are also read a page at a
+    # time across a prefill / mixed KV block (bkv rows). (Padding q and o by bkv as well
+    # doubled the XLA ops' work at a 2K budget with bkv 2048.)
+    q_pad = max([bs.bq for bs in bss] + [1])
+    kv_pad = max([q_pad] + [bs.bkv for bs in bss[1:]])
     q = queries
     if options.q_scale is not None:
         q = (quantize(q, kv_cache.dtype, options.q_scale)).astype(queries.dtype)
     q = q.reshape(T, Hkv, G, D)
-    q = jnp.pad(q, ((0, pad_rows), (0, 0), (0, 0), (0, Dp - D)))
+    q = jnp.pad(q, ((0, q_pad), (0, 0), (0, 0), (0, Dp - D)))
     k = quantize(keys, kv_cache.dtype, options.k_scale)
     v = quantize(values, kv_cache.dtype, options.v_scale)
     kv = jnp.stack([k, v], axis=2).reshape(T, 2 * Hkv, D)
-    kv = jnp.pad(kv, ((0, pad_rows), (0, kv_rows * pk - 2 * Hkv), (0, Dp - D)))
-    kv = kv.reshape(T + pad_rows, kv_rows, pk, Dp)
+    kv = jnp.pad(kv, ((0, kv_pad), (0, kv_rows * pk - 2 * Hkv), (0, Dp - D)))
+    kv = kv.reshape(T + kv_pad, kv_rows, pk, Dp)
     o = jnp.zeros_like(q)
     return q, kv, o
 

@@ -135,6 +135,11 @@ def kv_bytes_per_token(num_kv_heads: int, head_dim: int, kv_dtype) -> int:
 
 
 # ----------------------------------------------------------------------- generations
+# Prefill / mixed compute steps unroll up to this many q chunks (bq / cq) per block and
+# loop over more (kernel/rpa.py), in serving and in analysis alike.
+MAX_UNROLLED_Q_CHUNKS = 8
+
+
 @dataclasses.dataclass(frozen=True)
 class TpuGeneration:
     name: str            # CLI / table name

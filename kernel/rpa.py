@@ -42,7 +42,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from .config import BlockSizes, Case, cdiv
+from .config import MAX_UNROLLED_Q_CHUNKS, BlockSizes, Case, cdiv
 from .vmem import kv_buffer_rows
 
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
@@ -589,7 +589,12 @@ def _make_kernel(spec: KernelSpec, interpret: bool = False):
                         flash_update(h, y, q_first, kk, vv, k_pos, kv_valid)
                         return carry3
 
-                    _loop(0, n_qchunks, qc, 0, unroll_static=n_qchunks <= 2 or analysis)
+                    # Up to MAX_UNROLLED_Q_CHUNKS q chunks are unrolled, more are a loop, in
+                    # serving and in analysis alike (the estimate prices the program that
+                    # serves). As a loop the chunks cost far more (a 512-token causal chunk:
+                    # v6e (256, 512, 16, 256) 1.48x unrolled; (128, 512, 32, 256) 1.9x on
+                    # v5e, 3.6x on TPU7x).
+                    _loop(0, n_qchunks, qc, 0, unroll_static=n_qchunks <= MAX_UNROLLED_Q_CHUNKS)
 
                 if word_split:
                     def one_head(h, carry2):
@@ -640,14 +645,13 @@ def _make_kernel(spec: KernelSpec, interpret: bool = False):
                         _when_head(h, functools.partial(attend, h, kk, vv))
                     return carry2
 
-                # Analysis mode unrolls the head-row and q-chunk loops. As loops, the
-                # compiler may schedule the tail of flash_update (the lane-broadcast pop
-                # of l / m and its store) after the loop's back-edge branch; libtpu's
-                # static profiler on TPU7x then skips those bundles whenever the branch is
-                # taken, so a permute FIFO push is never popped and it aborts ("Cannot
-                # schedule FIFO push instruction when the FIFO is full. FIFO name: kTrf1")
-                # once more than 49 loop iterations ran. Straight-line code avoids it.
-                _loop(0, spec.kv_rows, head_row, 0, unroll_static=spec.kv_rows <= 4 or analysis)
+                # Up to four head rows are unrolled, more are a loop, in analysis as in
+                # serving. (Earlier kernels unrolled this loop and the q-chunk loop in
+                # analysis mode only: as loops, libtpu's static profiler on TPU7x could
+                # abort once more than 49 iterations ran ("Cannot schedule FIFO push
+                # instruction when the FIFO is full. FIFO name: kTrf1"). A config that hits
+                # it is recorded as a profiler crash, not priced as another program.)
+                _loop(0, spec.kv_rows, head_row, 0, unroll_static=spec.kv_rows <= 4)
                 return carry
 
             if decode and word_split:

@@ -104,7 +104,7 @@ class WorkerPool:
     def __init__(self, backend: str, jobs: int, *, env: dict | None = None):
         self.backend = backend
         self.jobs = max(1, int(jobs))
-        self.env = base.worker_env(backend, env)
+        self.env = base.worker_env(backend, env, self.jobs)
         self.env[PARENT_ENV] = str(os.getpid())
         repo = str(provenance.REPO_DIR)
         self.env["PYTHONPATH"] = repo + (os.pathsep + self.env["PYTHONPATH"] if self.env.get("PYTHONPATH") else "")

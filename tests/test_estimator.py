@@ -105,21 +105,20 @@ def test_step_plan_matches_the_page_dmas_in_the_trace(case, q, kv, bs, gen):
     assert a.verdict == audit.COMPLETE, a.reasons
 
 
-@pytest.mark.parametrize("case,q,kv,bs,smaller", [
-    ("prefill", [128, 64], [128 + 640, 64], BlockSizes(128, 512, 128, 256), True),
-    ("mixed", [1, 1, 64], [900, 300, 600], BlockSizes(64, 512, 64, 256), False),
+@pytest.mark.parametrize("case,q,kv,bs", [
+    ("prefill", [128, 64], [128 + 640, 64], BlockSizes(128, 512, 128, 256)),
+    ("mixed", [1, 1, 64], [900, 300, 600], BlockSizes(64, 512, 64, 256)),
 ])
-def test_fast_forward_changes_no_cycle_of_a_prefill_or_mixed_program(case, q, kv, bs, smaller):
+def test_fast_forward_changes_no_cycle_of_a_prefill_or_mixed_program(case, q, kv, bs):
     """The composition's prefill / mixed probes run the profiler with loop fast-forward
     (profiler.FAST_FORWARD_FLAG), which is not exact for long loops: it must leave these
-    programs' cycles and trace totals as they are, at a fraction of the memory."""
+    programs' cycles and trace totals as they are. (What it saves is measured in
+    benchmarks/README.md, "Loop fast-forward".)"""
     req = _request(case, Workload.of_case(case, q, kv), bs)
     plain = profiler.profile(compose.OURS, req, timeout=600, rss_cap=8 << 30)
     fast = profiler.profile(compose.OURS, req, timeout=600, fast_forward=True)
     assert plain["status"] == fast["status"] == "ok", (plain.get("message"), fast.get("message"))
     assert fast["cycles"] == plain["cycles"] and fast["trace"] == plain["trace"]
-    if smaller:
-        assert fast["max_rss_bytes"] < 0.5 * plain["max_rss_bytes"]
 
 
 def test_a_probe_whose_fast_forwarded_trace_misses_work_is_profiled_again_without(monkeypatch, tmp_path):
@@ -151,13 +150,85 @@ def test_a_probe_whose_fast_forwarded_trace_misses_work_is_profiled_again_withou
     pr = compose.probe_config(builder=compose.OURS, case="prefill", bs=bs, tpu="v6e",
                               model=dataclasses.asdict(LLAMA), limits=dataclasses.asdict(LIM), use_cache=False)
     n = len(compose.probes("prefill", bs, LIM.page_size))
-    assert calls == [True, False] * n
+    # after the first probe's fast-forward misses work, the others skip straight to the plain compile
+    assert calls == [True, False] + [False] * (n - 1)
     assert pr["status"] == "ok" and pr["audit"] == audit.COMPLETE
     assert all(not p["fast_forward"] and p["cycles"] == 1000 + 3 * sum(p["kv_lens"]) for p in pr["probes"])
     calls.clear()
     compose.probe_config(builder=compose.OURS, case="decode", bs=BlockSizes(1, 512, 1, 256), tpu="v6e",
                          model=dataclasses.asdict(LLAMA), limits=dataclasses.asdict(LIM), use_cache=False)
     assert calls and not any(calls)          # decode never fast-forwards
+
+
+def test_probes_of_a_config_compile_in_parallel_in_order_and_stop_after_a_failure(monkeypatch, tmp_path):
+    """``workers`` probes compile at once, the largest programs (most q blocks) first; the
+    fit sees them in probe order whatever order they ran and finished in; once one fails,
+    no further probe starts and its failure is the result."""
+    import threading
+    import time as time_mod
+    live, peak, calls, lock = [0], [0], [], threading.Lock()
+
+    def fake_profile(builder, req, *, timeout=None, expect_kernel_hash=None, fast_forward=False, **kw):
+        kv = sum(req["workload"]["kv_lens"])
+        with lock:
+            calls.append(req["workload"]["kv_lens"])
+            live[0] += 1
+            peak[0] = max(peak[0], live[0])
+        if fail_at is not None and len(calls) == fail_at:
+            with lock:
+                live[0] -= 1
+            return {"status": "vmem_oom", "message": "out of VMEM", "max_rss_bytes": 1}
+        time_mod.sleep(0.05 * (1 + kv % 3))        # finish out of order
+        with lock:
+            live[0] -= 1
+        return {"status": "ok", "cycles": 1000 + 7 * kv, "trace": {}, "max_rss_bytes": kv,
+                "compile_s": 0.1, "lower_s": 0.1}
+
+    class Complete:
+        verdict, reasons = audit.COMPLETE, []
+
+        def to_json(self):
+            return {}
+
+    monkeypatch.setattr(profiler, "profile", fake_profile)
+    monkeypatch.setattr(audit, "audit_trace", lambda tr, need, cal: Complete())
+    monkeypatch.setenv("RPA_TUNE_PROBE_CACHE", str(tmp_path))
+    bs = BlockSizes(128, 512, 128, 256)
+    args = dict(builder=compose.OURS, case="prefill", bs=bs, tpu="v6e", model=dataclasses.asdict(LLAMA),
+                limits=dataclasses.asdict(LIM), use_cache=False)
+    plist = compose.probes("prefill", bs, LIM.page_size)
+    fail_at = None
+    one = compose.probe_config(**args, workers=1)
+    assert peak[0] == 1
+    # the two probes with two q blocks ran first, then the rest by KV length, longest first
+    first = sorted(calls[:2])
+    assert first == sorted([list(p.kv_lens) for p in plist if sum(-(-q // bs.bq) for q in p.q_lens) == 2])
+    rest = [sum(kv) for kv in calls[2:]]
+    assert rest == sorted(rest, reverse=True)
+    calls.clear()
+    two = compose.probe_config(**args, workers=2)
+    assert peak[0] == 2 and two["probe_workers"] == 2
+    assert [p["kv_lens"] for p in two["probes"]] == [list(p.kv_lens) for p in plist]
+    assert two["model"] == one["model"] and [p["cycles"] for p in two["probes"]] == [p["cycles"] for p in one["probes"]]
+    rss = sorted((p["max_rss_bytes"] for p in two["probes"]), reverse=True)
+    assert two["concurrent_rss_bytes"] == rss[0] + rss[1]
+    calls.clear()
+    fail_at = 2                          # the second probe fails at once; the first is still running
+    bad = compose.probe_config(**args, workers=2)
+    assert bad["status"] == "vmem_oom" and list(bad["probe"]["kv_lens"]) == calls[1]
+    assert len(calls) == 2
+
+
+def test_each_sweep_worker_compiles_probes_on_its_share_of_the_cores(monkeypatch):
+    from rpa_tune.evaluators import base
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    env = {k: v for k, v in os.environ.items() if k != compose.PROBE_WORKERS_ENV}
+    assert base.worker_env("compile", env, jobs=1)[compose.PROBE_WORKERS_ENV] == "8"
+    assert base.worker_env("compile", env, jobs=3)[compose.PROBE_WORKERS_ENV] == "2"
+    assert base.worker_env("compile", env, jobs=16)[compose.PROBE_WORKERS_ENV] == "1"
+    assert base.worker_env("compile", dict(env, **{compose.PROBE_WORKERS_ENV: "3"}), jobs=1)[
+        compose.PROBE_WORKERS_ENV] == "3"
+    assert compose.PROBE_WORKERS_ENV not in base.worker_env("interpret", env, jobs=1)
 
 
 GEMMA_256 = ModelShape(16, 8, 256)
@@ -205,7 +276,8 @@ def test_composed_matches_a_full_compile_and_ignores_sequence_order(tmp_path, mo
 # checked at their recorded error bound instead; one that comes back within 5 % fails, so
 # this list and the README stay true.
 KNOWN_COMPOSITION_GAPS = {("v6e", "decode 12 x 700"): 0.06, ("tpu7x", "decode 16 lognormal ~2K"): 0.06,
-                          ("v5e", "mixed 6 x 1 lognormal + 64"): 0.06, ("v5e", "prefill 1 x 512"): 0.08}
+                          ("v5e", "mixed 6 x 1 lognormal + 64"): 0.06, ("v5e", "prefill 1 x 512"): 0.08,
+                          ("v5e", "mixed 8 x 1 + 128"): 0.06}
 
 
 @pytest.mark.parametrize("gen,case", [(g, c) for g in ("v6e", "tpu7x", "v5e") for c in ("decode", "prefill", "mixed")])
@@ -245,7 +317,9 @@ def test_recorded_probes_price_recorded_full_compiles(gen, case):
             assert 0.05 < abs(err) <= gap, (f"{gen} {name}: {err:+.1%}; update KNOWN_COMPOSITION_GAPS and "
                                             "benchmarks/README.md")
         checked += 1
-    assert checked >= 4
+    # TPU7x prefill: four of the six whole prefill workloads do not fit TPU7x's VMEM in
+    # analysis mode (its q-block loop is unrolled), so two are compared there
+    assert checked >= (2 if (gen, case) == ("tpu7x", "prefill") else 4)
 
 
 def test_decode_pipeline_model_bounds_and_fit():

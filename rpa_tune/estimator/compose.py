@@ -19,11 +19,14 @@ The same probes price every workload and token bucket of a key. ``benchmarks/REA
 """
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import os
+import threading
 
 import numpy as np
 
-from kernel.config import BlockSizes, Case
+from kernel.config import MAX_UNROLLED_Q_CHUNKS, BlockSizes, Case
 from kernel.steps import FEATURES, features, plan
 from kernel.workload import Workload
 
@@ -205,7 +208,6 @@ def fit(case: Case | str, bs: BlockSizes, page_size: int, probe_list: list[Probe
 
 # ------------------------------------------------------------------ probing a config
 def _cache_dir() -> str:
-    import os
     return os.environ.get("RPA_TUNE_PROBE_CACHE") or os.path.join(
         os.path.expanduser("~"), ".cache", "rpa-tune", "probes")
 
@@ -220,20 +222,25 @@ def _cache_key(doc: dict) -> str:
 
 OURS = "rpa_tune.estimator.ours:lower"
 PROBE_VERSION = "3"     # the probe workloads (``probes``); the fit is redone from cached cycles
+# How many probes of one config compile at once (default 1); the sweep sets it per worker.
+PROBE_WORKERS_ENV = "RPA_TUNE_PROBE_WORKERS"
 
 
 def probe_config(*, builder: str, case: Case | str, bs: BlockSizes, tpu: str, model: dict, limits: dict,
-                 options: dict | None = None, timeout: float | None = 600, use_cache: bool = True) -> dict:
+                 options: dict | None = None, timeout: float | None = 600, use_cache: bool = True,
+                 workers: int | None = None) -> dict:
     """Compile and audit every probe of one config; fit its ``CostModel``.
 
     Returns ``{"status", "model" (CostModel JSON), "probes": [{q_lens, kv_lens, cycles,
     audit, max_rss_bytes, compile_s}], "audit": complete | incomplete, "reasons",
-    "compile_s", "max_rss_bytes"}``, or the first probe's failure (``vmem_oom``,
+    "compile_s", "max_rss_bytes" (largest child), "concurrent_rss_bytes" (bound on the
+    children alive at once), "probe_workers"}``, or the first probe's failure (``vmem_oom``,
     ``compile_error``, ``timeout``, ``crash``) with its fields. Results are cached on disk
     per config, kernel source, library versions and generation (``RPA_TUNE_PROBE_CACHE``).
+    ``workers``: probes compiled at once (default ``$RPA_TUNE_PROBE_WORKERS`` or 1); after
+    a probe fails no further one starts.
     """
     import json
-    import os
     import time
     from kernel.workload import ModelShape
     from . import audit as audit_mod, profiler
@@ -243,8 +250,13 @@ def probe_config(*, builder: str, case: Case | str, bs: BlockSizes, tpu: str, mo
     bs = BlockSizes.coerce(bs)
     doc = dict(builder=builder, case=case.value, bs=list(bs), tpu=tpu, model=model, limits=limits,
                options=options or {})
-    # our prefill / mixed programs only: see profiler.FAST_FORWARD_FLAG
-    fast = case != Case.DECODE and builder == OURS
+    # Our prefill / mixed programs only (see profiler.FAST_FORWARD_FLAG), and not those
+    # with a q-chunk loop (more than MAX_UNROLLED_Q_CHUNKS q chunks per block: fast-forward
+    # skips its iterations) or with KV blocks of more than 8 pages (the two such configs tried,
+    # (128, 2048, 128, 256) and (256, 2048, 32, 128) at page 128 on v6e, lost all their
+    # attention to it, so each probe compiled twice). The audit's retry stays the guard.
+    fast = (case != Case.DECODE and builder == OURS and bs.bq // bs.cq <= MAX_UNROLLED_Q_CHUNKS
+            and bs.bkv <= 8 * limits["page_size"])
     if fast:
         doc["profiler"] = "fast_forward"
     source = kernel_hash()       # what the cache key holds; every probe must have compiled it
@@ -269,30 +281,60 @@ def probe_config(*, builder: str, case: Case | str, bs: BlockSizes, tpu: str, mo
     out = {"status": "ok", "probes": [], "audit": audit_mod.COMPLETE, "reasons": [], "compile_s": 0.0,
            "max_rss_bytes": 0}
     from .trace import TraceStats
-    for p in plist:
+    failed, forward_failed = threading.Event(), threading.Event()
+
+    def run(p: Probe) -> dict | None:
+        """One probe, profiled (twice at most); None if another probe failed first."""
+        if failed.is_set():
+            return None
         w = p.workload(case)
         req = dict(doc, workload=dict(q_lens=list(w.q_lens), kv_lens=list(w.kv_lens),
                                       distribution=list(w.distribution)), block_sizes=list(bs))
         for k in ("builder", "bs", "profiler"):
             req.pop(k, None)
         need = audit_mod.needed(w, shape, case)
+        spent = {"compile_s": 0.0, "max_rss_bytes": 0}
 
         def attempt(forward: bool):
             left = None if deadline is None else max(1.0, deadline - time.monotonic())
             r = profiler.profile(builder, req, timeout=left, expect_kernel_hash=source, fast_forward=forward)
-            out["max_rss_bytes"] = max(out["max_rss_bytes"], r.get("max_rss_bytes") or 0)
-            out["compile_s"] += (r.get("lower_s") or 0.0) + (r.get("compile_s") or 0.0)
+            spent["max_rss_bytes"] = max(spent["max_rss_bytes"], r.get("max_rss_bytes") or 0)
+            spent["compile_s"] += (r.get("lower_s") or 0.0) + (r.get("compile_s") or 0.0)
             a = audit_mod.audit_trace(TraceStats.from_json(r["trace"]), need, cal) if r["status"] == "ok" else None
             return r, a
 
-        forwarded = fast
+        forwarded = fast and not forward_failed.is_set()
         r, a = attempt(forwarded)
         # A fast-forwarded loop leaves the trace (and the cycles) without its skipped
         # iterations, which the audit sees as missing work: such a probe is profiled again
-        # without fast-forward (so is one whose profiler crashed).
+        # without fast-forward (so is one whose profiler crashed), and so are the config's
+        # probes not started yet, whose programs have the same loops.
         if forwarded and r["status"] in ("ok", "crash") and (a is None or a.verdict != audit_mod.COMPLETE):
+            forward_failed.set()
             forwarded = False
             r, a = attempt(forwarded)
+        if r["status"] != "ok":
+            failed.set()
+        return dict(probe=p, result=r, audit=a, fast_forward=forwarded, **spent)
+
+    # The probes are independent programs: ``workers`` of them compile at once (the sweep
+    # gives each of its jobs an equal share of the cores; ``PROBE_WORKERS_ENV``).
+    # Longest first (most q blocks, then most KV): the children pack better, and the
+    # largest program, the likeliest to run out of VMEM, fails before the others are paid for.
+    workers = max(1, min(len(plist), workers or int(os.environ.get(PROBE_WORKERS_ENV) or 1)))
+    order = sorted(range(len(plist)), key=lambda i: (-sum(-(-q // bs.bq) for q in plist[i].q_lens),
+                                                      -sum(plist[i].kv_lens), i))
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        ran = dict(zip(order, pool.map(run, [plist[i] for i in order])))
+    done = [ran[i] for i in range(len(plist)) if ran[i] is not None]
+    out["max_rss_bytes"] = max(d["max_rss_bytes"] for d in done)
+    out["compile_s"] = sum(d["compile_s"] for d in done)
+    out["probe_workers"] = workers
+    # at most ``workers`` children live at once: the sum of the largest peaks bounds the
+    # config's memory
+    out["concurrent_rss_bytes"] = sum(sorted((d["max_rss_bytes"] for d in done), reverse=True)[:workers])
+    for d in done:
+        p, r, a = d["probe"], d["result"], d["audit"]
         if r["status"] != "ok":
             return dict(r, probe=dict(q_lens=p.q_lens, kv_lens=p.kv_lens), compile_s=out["compile_s"],
                         max_rss_bytes=out["max_rss_bytes"])
@@ -301,7 +343,7 @@ def probe_config(*, builder: str, case: Case | str, bs: BlockSizes, tpu: str, mo
             out["reasons"] += [f"probe {list(p.q_lens)}/{list(p.kv_lens)}: {x}" for x in a.reasons]
         out["probes"].append(dict(q_lens=list(p.q_lens), kv_lens=list(p.kv_lens), cycles=r["cycles"],
                                   audit=a.to_json(), max_rss_bytes=r.get("max_rss_bytes"),
-                                  compile_s=r.get("compile_s"), fast_forward=forwarded))
+                                  compile_s=r.get("compile_s"), fast_forward=d["fast_forward"]))
     m = fit(case, bs, limits["page_size"], plist, [p["cycles"] for p in out["probes"]], window, skip)
     out["skip_dead_chunks"] = skip
     out["model"] = m.to_json()

@@ -120,12 +120,14 @@ _LIBTPU_QUIET = {"TPU_WORKER_HOSTNAMES": "localhost", "TF_CPP_MIN_LOG_LEVEL": "3
                  "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
 
 
-def worker_env(backend: str, base: dict | None = None) -> dict:
+def worker_env(backend: str, base: dict | None = None, jobs: int = 1) -> dict:
     """The environment of a worker process for ``backend`` (set before JAX loads).
 
     compile / interpret: JAX on CPU (libtpu still compiles deviceless), parallel libtpu
     loads allowed, and no persistent compilation cache: a cache hit would skip the
-    compile whose static profile and VMEM verdict the compile backend needs.
+    compile whose static profile and VMEM verdict the compile backend needs. compile: each
+    of the ``jobs`` workers compiles its config's probes on an equal share of the cores
+    (``$RPA_TUNE_PROBE_WORKERS`` if set).
     tpu: JAX picks the TPU; the persistent compilation cache is on (``$JAX_COMPILATION_CACHE_DIR``
     or ``~/.cache/rpa-tune/jax``) so re-runs do not recompile.
     """
@@ -135,6 +137,9 @@ def worker_env(backend: str, base: dict | None = None) -> dict:
         env["JAX_PLATFORMS"] = "cpu"
         env.pop("JAX_COMPILATION_CACHE_DIR", None)
         env["JAX_ENABLE_COMPILATION_CACHE"] = "false"
+        if backend == "compile":
+            from rpa_tune.estimator.compose import PROBE_WORKERS_ENV
+            env.setdefault(PROBE_WORKERS_ENV, str(max(1, (os.cpu_count() or 1) // max(1, int(jobs)))))
     elif backend == "tpu":
         env.pop("JAX_PLATFORMS", None)
         env.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
