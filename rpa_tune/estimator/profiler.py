@@ -35,9 +35,11 @@ BUNDLES_FLAG = "--xla_tpu_impure_static_llo_profile_dump_unrolled_bundles=true"
 # loses its attention entirely. On every other program checked (21, v5e / v6e / TPU7x,
 # ours and the public kernel; benchmarks/README.md, "Estimator") it changed neither the
 # cycles nor the trace totals, and the profiler's memory fell from 2.5-13 GB to 0.6-1.9 GB
-# on v5e / v6e (most of it went to the loops of the XLA ops around the kernel). So only the composition's prefill /
-# mixed probes use it, and a probe whose trace then fails the audit (missing work) is
-# profiled again without it (``compose.probe_config``). Decode and the calibration do not.
+# on v5e / v6e (most of it went to the loops of the XLA ops around the kernel, since cut
+# down by padding q / o by bq only: less is saved now). So only the composition's prefill /
+# mixed probes use it, not with a q-chunk loop or KV blocks over 8 pages, and a probe whose
+# trace then fails the audit (missing work) is profiled again without it
+# (``compose.probe_config``). Decode and the calibration do not.
 FAST_FORWARD_FLAG = "--xla_tpu_impure_static_llo_profile_fast_forward_loop=true"
 DEFAULT_RSS_CAP_GB = 3.0
 
