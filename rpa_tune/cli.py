@@ -94,8 +94,9 @@ def sweep(
                                "minutes with --jobs 2 on an idle 2-core machine)."),
     patience: int = typer.Option(10, "--patience", min=0, help="tpe: stop after this many evaluations without a "
                                  "0.5% improvement (0: never)."),
-    jobs: int = typer.Option(2, "--jobs", "-j", min=1, help="Parallel evaluations (worker processes); the tpu "
-                             "backend uses 1."),
+    jobs: int = typer.Option(2, "--jobs", "-j", min=1, help="Parallel evaluations (worker processes); with the "
+                             "compile backend each compiles its config's probes on cores / jobs processes "
+                             "(RPA_TUNE_PROBE_WORKERS overrides); the tpu backend uses 1."),
     timeout: float = typer.Option(900.0, "--timeout", min=0.001, help="Seconds per evaluation before it is "
                                   "killed and recorded as timeout."),
     results: Path = typer.Option(Path("results"), "--results", help="Results directory (append-only Parquet "

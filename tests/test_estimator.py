@@ -219,6 +219,33 @@ def test_probes_of_a_config_compile_in_parallel_in_order_and_stop_after_a_failur
     assert len(calls) == 2
 
 
+def test_every_probe_fits_the_limits_it_is_compiled_with(monkeypatch, tmp_path):
+    """Decode (1, 4096, 1, 512) at max_model_len 8192: its two-step probes hold 8193 tokens;
+    each probe is compiled with limits that admit it (the profiler child refused them)."""
+    seen = []
+
+    def fake_profile(builder, req, **kw):
+        w = Workload(tuple(req["workload"]["q_lens"]), tuple(req["workload"]["kv_lens"]),
+                     tuple(req["workload"]["distribution"]))
+        w.check_fits(ServingLimits(**req["limits"]))        # raises as the child did
+        seen.append(max(w.kv_lens))
+        return {"status": "ok", "cycles": 1000 + sum(w.kv_lens), "trace": {}, "max_rss_bytes": 1}
+
+    class Complete:
+        verdict, reasons = audit.COMPLETE, []
+
+        def to_json(self):
+            return {}
+
+    monkeypatch.setattr(profiler, "profile", fake_profile)
+    monkeypatch.setattr(audit, "audit_trace", lambda tr, need, cal: Complete())
+    monkeypatch.setenv("RPA_TUNE_PROBE_CACHE", str(tmp_path))
+    lim = ServingLimits(page_size=128, max_num_tokens=2048, max_num_seqs=128, max_model_len=8192)
+    r = compose.probe_config(builder=compose.OURS, case="decode", bs=BlockSizes(1, 4096, 1, 512), tpu="v6e",
+                             model=dataclasses.asdict(LLAMA), limits=dataclasses.asdict(lim), use_cache=False)
+    assert r["status"] == "ok" and max(seen) > lim.max_model_len
+
+
 def test_each_sweep_worker_compiles_probes_on_its_share_of_the_cores(monkeypatch):
     from rpa_tune.evaluators import base
     monkeypatch.setattr(os, "cpu_count", lambda: 8)

@@ -292,6 +292,12 @@ def probe_config(*, builder: str, case: Case | str, bs: BlockSizes, tpu: str, mo
                                       distribution=list(w.distribution)), block_sizes=list(bs))
         for k in ("builder", "bs", "profiler"):
             req.pop(k, None)
+        # A decode probe of two full steps is longer than a key's max_model_len when bkv is
+        # half of it (bkv 4096 at 8K): the probe's limits admit it. max_model_len only sizes
+        # the page table, which no step of the kernel costs by.
+        page = limits["page_size"]
+        req["limits"] = dict(limits, max_model_len=max(limits["max_model_len"],
+                                                       -(-max(w.kv_lens) // page) * page))
         need = audit_mod.needed(w, shape, case)
         spent = {"compile_s": 0.0, "max_rss_bytes": 0}
 
