@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from kernel.config import BlockSizes, Case
+from kernel.config import BlockSizes, Case, cdiv
 from kernel.steps import features
 from kernel.workload import ModelShape, ServingLimits, Workload
 from rpa_tune.estimator import audit, compose, profiler
@@ -160,6 +160,20 @@ def test_a_probe_whose_fast_forwarded_trace_misses_work_is_profiled_again_withou
     assert calls and not any(calls)          # decode never fast-forwards
 
 
+def _probe_with(monkeypatch, tmp_path, fake_profile) -> None:
+    """``compose.probe_config`` with ``fake_profile`` in place of the profiler child, every
+    trace passing its audit, and the probe cache in ``tmp_path``."""
+    class Complete:
+        verdict, reasons = audit.COMPLETE, []
+
+        def to_json(self):
+            return {}
+
+    monkeypatch.setattr(profiler, "profile", fake_profile)
+    monkeypatch.setattr(audit, "audit_trace", lambda tr, need, cal: Complete())
+    monkeypatch.setenv("RPA_TUNE_PROBE_CACHE", str(tmp_path))
+
+
 def test_probes_of_a_config_compile_in_parallel_in_order_and_stop_after_a_failure(monkeypatch, tmp_path):
     """``workers`` probes compile at once, the largest programs (most q blocks) first; the
     fit sees them in probe order whatever order they ran and finished in; once one fails,
@@ -184,15 +198,7 @@ def test_probes_of_a_config_compile_in_parallel_in_order_and_stop_after_a_failur
         return {"status": "ok", "cycles": 1000 + 7 * kv, "trace": {}, "max_rss_bytes": kv,
                 "compile_s": 0.1, "lower_s": 0.1}
 
-    class Complete:
-        verdict, reasons = audit.COMPLETE, []
-
-        def to_json(self):
-            return {}
-
-    monkeypatch.setattr(profiler, "profile", fake_profile)
-    monkeypatch.setattr(audit, "audit_trace", lambda tr, need, cal: Complete())
-    monkeypatch.setenv("RPA_TUNE_PROBE_CACHE", str(tmp_path))
+    _probe_with(monkeypatch, tmp_path, fake_profile)
     bs = BlockSizes(128, 512, 128, 256)
     args = dict(builder=compose.OURS, case="prefill", bs=bs, tpu="v6e", model=dataclasses.asdict(LLAMA),
                 limits=dataclasses.asdict(LIM), use_cache=False)
@@ -202,7 +208,7 @@ def test_probes_of_a_config_compile_in_parallel_in_order_and_stop_after_a_failur
     assert peak[0] == 1
     # the two probes with two q blocks ran first, then the rest by KV length, longest first
     first = sorted(calls[:2])
-    assert first == sorted([list(p.kv_lens) for p in plist if sum(-(-q // bs.bq) for q in p.q_lens) == 2])
+    assert first == sorted([list(p.kv_lens) for p in plist if sum(cdiv(q, bs.bq) for q in p.q_lens) == 2])
     rest = [sum(kv) for kv in calls[2:]]
     assert rest == sorted(rest, reverse=True)
     calls.clear()
@@ -231,15 +237,7 @@ def test_every_probe_fits_the_limits_it_is_compiled_with(monkeypatch, tmp_path):
         seen.append(max(w.kv_lens))
         return {"status": "ok", "cycles": 1000 + sum(w.kv_lens), "trace": {}, "max_rss_bytes": 1}
 
-    class Complete:
-        verdict, reasons = audit.COMPLETE, []
-
-        def to_json(self):
-            return {}
-
-    monkeypatch.setattr(profiler, "profile", fake_profile)
-    monkeypatch.setattr(audit, "audit_trace", lambda tr, need, cal: Complete())
-    monkeypatch.setenv("RPA_TUNE_PROBE_CACHE", str(tmp_path))
+    _probe_with(monkeypatch, tmp_path, fake_profile)
     lim = ServingLimits(page_size=128, max_num_tokens=2048, max_num_seqs=128, max_model_len=8192)
     r = compose.probe_config(builder=compose.OURS, case="decode", bs=BlockSizes(1, 4096, 1, 512), tpu="v6e",
                              model=dataclasses.asdict(LLAMA), limits=dataclasses.asdict(lim), use_cache=False)

@@ -26,7 +26,7 @@ import threading
 
 import numpy as np
 
-from kernel.config import MAX_UNROLLED_Q_CHUNKS, BlockSizes, Case
+from kernel.config import MAX_UNROLLED_Q_CHUNKS, BlockSizes, Case, cdiv, round_up
 from kernel.steps import FEATURES, features, plan
 from kernel.workload import Workload
 
@@ -295,9 +295,8 @@ def probe_config(*, builder: str, case: Case | str, bs: BlockSizes, tpu: str, mo
         # A decode probe of two full steps is longer than a key's max_model_len when bkv is
         # half of it (bkv 4096 at 8K): the probe's limits admit it. max_model_len only sizes
         # the page table, which no step of the kernel costs by.
-        page = limits["page_size"]
         req["limits"] = dict(limits, max_model_len=max(limits["max_model_len"],
-                                                       -(-max(w.kv_lens) // page) * page))
+                                                       round_up(max(w.kv_lens), limits["page_size"])))
         need = audit_mod.needed(w, shape, case)
         spent = {"compile_s": 0.0, "max_rss_bytes": 0}
 
@@ -328,7 +327,7 @@ def probe_config(*, builder: str, case: Case | str, bs: BlockSizes, tpu: str, mo
     # Longest first (most q blocks, then most KV): the children pack better, and the
     # largest program, the likeliest to run out of VMEM, fails before the others are paid for.
     workers = max(1, min(len(plist), workers or int(os.environ.get(PROBE_WORKERS_ENV) or 1)))
-    order = sorted(range(len(plist)), key=lambda i: (-sum(-(-q // bs.bq) for q in plist[i].q_lens),
+    order = sorted(range(len(plist)), key=lambda i: (-sum(cdiv(q, bs.bq) for q in plist[i].q_lens),
                                                       -sum(plist[i].kv_lens), i))
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:
         ran = dict(zip(order, pool.map(run, [plist[i] for i in order])))
