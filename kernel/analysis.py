@@ -7,10 +7,11 @@
 * ``lower_for_estimate(workload, block_sizes, tpu, model, limits, case)`` lowers the same
   program with the workload's metadata visible to libtpu's static profiler (*analysis
   mode*, ``KernelSpec.static_meta``): ``kv_lens`` and ``cu_q_lens`` are stored into SMEM at
-  static addresses at kernel entry, and the sequence and q-block loops are unrolled with
-  the workload's static q lengths, so every trip count and SMEM address the profiler has
-  to follow is static. It is the serving pipeline otherwise: one pass over all the case's
-  sequences with cross-sequence prefetch, the cache in HBM.
+  static addresses at kernel entry, and the sequence loop is cut into one loop per run of
+  like sequences (same q and KV length) whose metadata the kernel computes in closed form,
+  so every trip count and SMEM address the profiler has to follow is known to it. It is
+  the serving pipeline otherwise: one pass over all the case's sequences with
+  cross-sequence prefetch, the same q-block, KV-step and chunk loops, the cache in HBM.
 
 The estimator that compiles these with the profiler, audits and composes the estimates
 is tuner code: ``rpa_tune.estimator``. Kernel correctness never depends on this module.
@@ -25,9 +26,6 @@ import numpy as np
 
 from .config import BlockSizes, CASES, Case, cdiv, get_generation, get_kv_cache_shape, round_up
 from .workload import ModelShape, ServingLimits, Workload
-
-MAX_UNROLLED_Q_BLOCKS = 64
-
 
 def _quiet_libtpu_env(env=None):
     env = dict(os.environ if env is None else env)
@@ -138,15 +136,15 @@ def lower_deviceless(model: ModelShape, limits: ServingLimits, tpu: str, block_s
 
 # ----------------------------------------------------------------- static workloads
 def static_meta_for(workload: Workload, limits: ServingLimits) -> tuple:
-    """Per case: ``((lo, hi), q_lens, kv_lens, cu_q_lens)``: the case's sequence range, their
-    static q lengths, and the metadata the kernel stores at static SMEM addresses."""
+    """Per case: ``((lo, hi), kv_lens, cu_q_lens)``: the case's sequence range and the
+    metadata the kernel stores at static SMEM addresses."""
     meta, _ = workload.metadata(limits, shuffle_pages=False)
     kv = tuple(int(x) for x in meta["kv_lens"])
     cu = tuple(int(x) for x in meta["cu_q_lens"])
     out = []
     for case in CASES:
         lo, hi = workload.case_range(case)
-        out.append(((lo, hi), tuple(int(q) for q in workload.q_lens[lo:hi]), kv, cu))
+        out.append(((lo, hi), kv, cu))
     return tuple(out)
 
 
@@ -188,11 +186,6 @@ def lower_for_estimate(workload: Workload, block_sizes, tpu: str, model: ModelSh
     lo, hi = workload.case_range(case)
     if hi == lo:
         raise ValueError(f"workload has no {case.value} sequences (distribution={workload.distribution})")
-    if bs is not None and case != Case.DECODE:
-        nq = max(cdiv(q, bs.bq) for q in workload.q_lens[lo:hi])
-        if nq > MAX_UNROLLED_Q_BLOCKS:
-            raise ValueError(f"a {case.value} sequence needs {nq} q blocks of bq={bs.bq}; the estimate "
-                             f"unrolls at most {MAX_UNROLLED_Q_BLOCKS}: use a larger bq or shorter chunks")
     # Only the workload's own sizes: the profiler's memory and time grow with the array
     # sizes (max_num_tokens, pages), and nothing the kernel does per step depends on them
     # (its VMEM scratch depends on the block sizes and the model only).

@@ -67,6 +67,12 @@ class BlockSizes(NamedTuple):
             )
         return cls(*(int(v) for v in items))
 
+    @property
+    def q_chunk_loop(self) -> bool:
+        """Prefill / mixed run a block's q chunks (``bq / cq``) as a loop, not unrolled
+        (more than ``MAX_UNROLLED_Q_CHUNKS``)."""
+        return self.bq // self.cq > MAX_UNROLLED_Q_CHUNKS
+
     def label(self) -> str:
         return f"bq{self.bq}_bkv{self.bkv}_cq{self.cq}_ckv{self.ckv}"
 

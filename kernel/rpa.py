@@ -27,9 +27,9 @@ Design (after the RPA paper, written for this project):
   then every q chunk (``cq``) of the block runs one online-softmax (FlashAttention-2)
   update in f32.
 
-The analysis mode (``static_meta``) replaces the scalar metadata by static-address SMEM
-stores of a concrete workload so libtpu's static profiler sees the real trip counts; see
-``kernel.analysis``.
+The analysis mode (``static_meta``) replaces the scalar metadata by a concrete workload's,
+stored at static SMEM addresses (and in closed form inside a loop over like sequences),
+so libtpu's static profiler sees the real trip counts; see ``kernel.analysis``.
 """
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from .config import MAX_UNROLLED_Q_CHUNKS, BlockSizes, Case, cdiv
+from .config import BlockSizes, Case, cdiv
 from .vmem import kv_buffer_rows
 
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
@@ -71,8 +71,8 @@ class KernelSpec:
     k_scale: float | None
     v_scale: float | None
     q_scale: float | None
-    # analysis mode: tuple of (first_seq, end_seq, q_len) segments, and the workload
-    # metadata to store at static SMEM addresses (kv_lens, cu_q_lens), or None.
+    # analysis mode: ((first_seq, end_seq), kv_lens, cu_q_lens) of a concrete workload,
+    # the metadata the kernel reads (see ``kernel.analysis``), or None.
     static_meta: tuple | None = None
     skip_dead_chunks: bool = True   # prefill / mixed: skip chunks with no visible key
 
@@ -167,6 +167,18 @@ def _when(cond, fn):
             fn()
     else:
         pl.when(cond)(fn)
+
+
+def _like_runs(lo: int, hi: int, kv_lens, cu_q_lens) -> list[tuple[int, int]]:
+    """Sequences ``lo .. hi - 1`` cut into maximal runs with the same q and KV length."""
+    runs = []
+    for s in range(lo, hi):
+        like = runs and kv_lens[s] == kv_lens[s - 1] and cu_q_lens[s + 1] - cu_q_lens[s] == cu_q_lens[s] - cu_q_lens[s - 1]
+        if like:
+            runs[-1] = (runs[-1][0], s + 1)
+        else:
+            runs.append((s, s + 1))
+    return runs
 
 
 def _run_chunk(chunk, x):
@@ -285,17 +297,35 @@ def _make_kernel(spec: KernelSpec, interpret: bool = False):
                q_buf, kv_buf, nkv_buf, o_buf, qh_ref, acc_ref, m_ref, l_ref,
                cnt_ref, meta_ref, sems):
         del o_in_hbm, cache_hbm  # aliased to the outputs
+        run_of = [None]     # analysis mode: the run of like sequences being traced
         if analysis:
-            seq_range, q_lens_c, kv_lens_c, cu_c = spec.static_meta
+            seq_range, kv_lens_c, cu_c = spec.static_meta
             for i, v in enumerate(kv_lens_c):
                 meta_ref[i] = v
             for i, v in enumerate(cu_c):
                 meta_ref[spec.max_num_seqs + i] = v
-            kv_len_of = lambda s: meta_ref[s]
-            cu_of = lambda s: meta_ref[spec.max_num_seqs + s]
+
+            # libtpu's static profiler reads an SMEM address it cannot resolve statically
+            # as 0. A static sequence index reads the stored metadata; a traced one (the
+            # loop over a run of like sequences, the next sequence a q block prefetches
+            # for) is at most one past the run being traced, so its metadata is a closed
+            # form of it, as branch-free scalar arithmetic the profiler follows.
+            def kv_len_of(s):
+                if isinstance(s, int):
+                    return meta_ref[s]
+                r0, r1 = run_of[0]
+                return _select_lt(s, r1, kv_lens_c[r0], kv_lens_c[min(r1, len(kv_lens_c) - 1)])
+
+            def cu_of(s):
+                if isinstance(s, int):
+                    return meta_ref[spec.max_num_seqs + s]
+                r0, r1 = run_of[0]
+                q_len = cu_c[r0 + 1] - cu_c[r0]
+                return _select_lt(s, r1 + 1, cu_c[r0] + (_i32(s) - r0) * q_len,
+                                  cu_c[min(r1 + 1, len(cu_c) - 1)])
             # The scalar-prefetch inputs are not read in analysis mode (they stay in HBM,
-            # see build_case_call). Which page a DMA reads does not change its cost (the
-            # profiler reads dynamic SMEM addresses as 0 anyway), so every page is page 0.
+            # see build_case_call). Which page a DMA reads does not change its cost, so
+            # every page is page 0.
             page_of = lambda i: 0
         else:
             kv_len_of = lambda s: kv_lens_ref[s]
@@ -303,7 +333,7 @@ def _make_kernel(spec: KernelSpec, interpret: bool = False):
             page_of = lambda i: page_idx_ref[i]
             seq_lo = 0 if lo_idx is None else dist_ref[lo_idx]
             seq_hi = dist_ref[hi_idx]
-            seq_range, q_lens_c = (seq_lo, seq_hi), None
+            seq_range = (seq_lo, seq_hi)
 
         def clamp_seq(s):
             return _min(s, spec.max_num_seqs - 1)
@@ -594,7 +624,7 @@ def _make_kernel(spec: KernelSpec, interpret: bool = False):
                     # serves). As a loop the chunks cost far more (a 512-token causal chunk:
                     # v6e (256, 512, 16, 256) 1.48x unrolled; (128, 512, 32, 256) 1.9x on
                     # v5e, 3.6x on TPU7x).
-                    _loop(0, n_qchunks, qc, 0, unroll_static=n_qchunks <= MAX_UNROLLED_Q_CHUNKS)
+                    _loop(0, n_qchunks, qc, 0, unroll_static=not bs.q_chunk_loop)
 
                 if word_split:
                     def one_head(h, carry2):
@@ -726,11 +756,12 @@ def _make_kernel(spec: KernelSpec, interpret: bool = False):
         # ---------------------------------------------------------- pipeline
         qslot_ref = cnt_ref.at[pl.ds(2, 1)]   # current q slot (read inside flash_update)
 
-        def run_case(seg_lo, seg_hi, static_q_lens):
-            """Every sequence of the case through one pipeline. Analysis mode passes the
-            static q lengths: the sequence and q-block loops are then unrolled (same
-            bodies, same cross-sequence prefetch), so every SMEM address and trip count
-            is static for the profiler."""
+        def run_case(seg_lo, seg_hi):
+            """Every sequence of the case through one pipeline: a loop over the sequences,
+            a loop over each one's q blocks. Analysis mode (static bounds) loops over each
+            run of like sequences (same q and KV length) instead, each run's metadata in
+            closed form (see ``kv_len_of``): the same bodies and cross-sequence prefetch,
+            every SMEM address and trip count known to the profiler."""
             def run():
                 fetch_q(seg_lo, 0, 0)
                 fetch_kv(seg_lo, 0, 0, 0)
@@ -739,7 +770,7 @@ def _make_kernel(spec: KernelSpec, interpret: bool = False):
                 cnt_ref[5] = 0  # o slot
                 cnt_ref[6] = 0  # o write pending
 
-                def seq_body(s, carry, nq_static=None):
+                def seq_body(s, carry):
                     info = seq_info(s)
                     q_start, q_len, kv_len, ctx, nq = info
                     cache_update(s, info, do_wait=False)
@@ -794,16 +825,19 @@ def _make_kernel(spec: KernelSpec, interpret: bool = False):
                         cnt_ref[3] = 1 - qslot
                         return carry2
 
-                    _loop(0, nq if nq_static is None else nq_static, qblock, 0,
-                          unroll_static=nq_static is not None)
+                    _loop(0, nq, qblock, 0, unroll_static=True)     # static: decode's 1
                     cache_update(s, info, do_wait=True)
                     return carry
 
-                if static_q_lens is None:
+                if not analysis:
                     jax.lax.fori_loop(seg_lo, seg_hi, seq_body, 0)
                 else:
-                    for s, q_len_s in zip(range(seg_lo, seg_hi), static_q_lens):
-                        seq_body(s, 0, 1 if decode else max(1, cdiv(q_len_s, bq)))
+                    for r0, r1 in _like_runs(seg_lo, seg_hi, kv_lens_c, cu_c):
+                        run_of[0] = (r0, r1)
+                        if r1 - r0 == 1:
+                            seq_body(r0, 0)
+                        else:
+                            jax.lax.fori_loop(r0, r1, seq_body, 0)
 
                 @pl.when(cnt_ref[6] == 1)
                 def _():
@@ -811,7 +845,7 @@ def _make_kernel(spec: KernelSpec, interpret: bool = False):
 
             _when(seg_lo < seg_hi, run)
 
-        run_case(*seq_range, q_lens_c)
+        run_case(*seq_range)
 
     return kernel
 

@@ -315,7 +315,6 @@ class Plan:
     illegal: int
     capped: int
     prefiltered: int
-    not_estimable: int
     heuristic: BlockSizes | None
     reasons: dict
 
@@ -338,29 +337,17 @@ def plan_sweep(spec: SweepSpec) -> Plan:
     if heur is not None and heur not in cands and not block_size_errors(spec.case, heur, spec.limits.page_size):
         cands.insert(0, heur)    # the baseline is evaluated even when outside the space
     keep, predicted = [], {}
-    prefiltered = not_estimable = 0
+    prefiltered = 0
     for bs in cands:
         p = prefilter.predicted_bytes(spec.model, spec.limits, bs)
         if prefilter.rejects(p, spec.generation):
             prefiltered += 1
             continue
-        if spec.backend == "compile" and not _estimable(spec, bs):
-            not_estimable += 1
-            continue
         keep.append(bs)
         predicted[bs] = p
     if heur not in predicted:
         heur = None
-    return Plan(keep, predicted, en.total, en.illegal, en.capped, prefiltered, not_estimable, heur, en.reasons)
-
-
-def _estimable(spec: SweepSpec, bs: BlockSizes) -> bool:
-    """The compile backend's estimate unrolls q blocks (``kernel.analysis.MAX_UNROLLED_Q_BLOCKS``)."""
-    if spec.case == Case.DECODE:
-        return True
-    from kernel.analysis import MAX_UNROLLED_Q_BLOCKS
-    lo, hi = spec.workload.case_range(spec.case)
-    return max(-(-q // bs.bq) for q in spec.workload.q_lens[lo:hi]) <= MAX_UNROLLED_Q_BLOCKS
+    return Plan(keep, predicted, en.total, en.illegal, en.capped, prefiltered, heur, en.reasons)
 
 
 @dataclasses.dataclass

@@ -75,8 +75,7 @@ def _dt(name: str) -> str:
 def _plan_line(plan: Plan) -> str:
     return (f"{len(plan.candidates)} candidates of {plan.total} in the space "
             f"({plan.illegal} illegal, {plan.capped} over a size cap, {plan.prefiltered} rejected by the VMEM "
-            f"pre-filter" + (f", {plan.not_estimable} beyond the estimate's q-block unrolling" if plan.not_estimable
-                             else "") + ")")
+            f"pre-filter)")
 
 
 def print_header(spec: SweepSpec, backend_note: str, results) -> None:
@@ -140,7 +139,7 @@ def print_plan(spec: SweepSpec, backend_note: str, results, json_out: bool = Fal
         plan = plan_sweep(spec)
         print_json(dict(key=spec.key.as_dict(), key_id=spec.key.id(), workload=spec.workload_desc,
                         backend=spec.backend, total=plan.total, illegal=plan.illegal, capped=plan.capped,
-                        prefiltered=plan.prefiltered, not_estimable=plan.not_estimable,
+                        prefiltered=plan.prefiltered,
                         heuristic=list(plan.heuristic) if plan.heuristic else None,
                         candidates=[dict(block_sizes=list(bs), predicted_vmem_bytes=plan.predicted[bs])
                                     for bs in plan.candidates]))

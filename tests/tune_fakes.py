@@ -77,6 +77,13 @@ def disk_full_builder(**_):
     os._exit(1)
 
 
+def sleeping_builder(**_):
+    """Compiles for a long time (a minute), as a large probe does."""
+    import time
+    time.sleep(60)
+    os._exit(0)
+
+
 def env_report_builder(**_):
     """Reports where the child's libtpu logs would go, then exits like a finished child."""
     import json

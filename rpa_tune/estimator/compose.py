@@ -26,7 +26,7 @@ import threading
 
 import numpy as np
 
-from kernel.config import MAX_UNROLLED_Q_CHUNKS, BlockSizes, Case, cdiv, round_up
+from kernel.config import BlockSizes, Case, cdiv, round_up
 from kernel.steps import FEATURES, features, plan
 from kernel.workload import Workload
 
@@ -238,7 +238,7 @@ def probe_config(*, builder: str, case: Case | str, bs: BlockSizes, tpu: str, mo
     ``compile_error``, ``timeout``, ``crash``) with its fields. Results are cached on disk
     per config, kernel source, library versions and generation (``RPA_TUNE_PROBE_CACHE``).
     ``workers``: probes compiled at once (default ``$RPA_TUNE_PROBE_WORKERS`` or 1); after
-    a probe fails no further one starts.
+    a probe fails no further one starts and those still compiling are killed.
     """
     import json
     import time
@@ -255,7 +255,7 @@ def probe_config(*, builder: str, case: Case | str, bs: BlockSizes, tpu: str, mo
     # skips its iterations) or with KV blocks of more than 8 pages (the two such configs tried,
     # (128, 2048, 128, 256) and (256, 2048, 32, 128) at page 128 on v6e, lost all their
     # attention to it, so each probe compiled twice). The audit's retry stays the guard.
-    fast = (case != Case.DECODE and builder == OURS and bs.bq // bs.cq <= MAX_UNROLLED_Q_CHUNKS
+    fast = (case != Case.DECODE and builder == OURS and not bs.q_chunk_loop
             and bs.bkv <= 8 * limits["page_size"])
     if fast:
         doc["profiler"] = "fast_forward"
@@ -302,7 +302,8 @@ def probe_config(*, builder: str, case: Case | str, bs: BlockSizes, tpu: str, mo
 
         def attempt(forward: bool):
             left = None if deadline is None else max(1.0, deadline - time.monotonic())
-            r = profiler.profile(builder, req, timeout=left, expect_kernel_hash=source, fast_forward=forward)
+            r = profiler.profile(builder, req, timeout=left, expect_kernel_hash=source, fast_forward=forward,
+                                 cancel=failed)
             spent["max_rss_bytes"] = max(spent["max_rss_bytes"], r.get("max_rss_bytes") or 0)
             spent["compile_s"] += (r.get("lower_s") or 0.0) + (r.get("compile_s") or 0.0)
             a = audit_mod.audit_trace(TraceStats.from_json(r["trace"]), need, cal) if r["status"] == "ok" else None
@@ -310,6 +311,8 @@ def probe_config(*, builder: str, case: Case | str, bs: BlockSizes, tpu: str, mo
 
         forwarded = fast and not forward_failed.is_set()
         r, a = attempt(forwarded)
+        if r["status"] == profiler.CANCELLED:    # another probe failed while this one ran
+            return None
         # A fast-forwarded loop leaves the trace (and the cycles) without its skipped
         # iterations, which the audit sees as missing work: such a probe is profiled again
         # without fast-forward (so is one whose profiler crashed), and so are the config's
@@ -318,6 +321,8 @@ def probe_config(*, builder: str, case: Case | str, bs: BlockSizes, tpu: str, mo
             forward_failed.set()
             forwarded = False
             r, a = attempt(forwarded)
+            if r["status"] == profiler.CANCELLED:
+                return None
         if r["status"] != "ok":
             failed.set()
         return dict(probe=p, result=r, audit=a, fast_forward=forwarded, **spent)

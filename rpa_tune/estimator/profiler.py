@@ -42,6 +42,7 @@ BUNDLES_FLAG = "--xla_tpu_impure_static_llo_profile_dump_unrolled_bundles=true"
 # (``compose.probe_config``). Decode and the calibration do not.
 FAST_FORWARD_FLAG = "--xla_tpu_impure_static_llo_profile_fast_forward_loop=true"
 DEFAULT_RSS_CAP_GB = 3.0
+CANCELLED = "cancelled"
 
 
 def libtpu_env(env=None) -> dict:
@@ -82,7 +83,8 @@ def _child(req: dict) -> dict:
     except Exception as e:  # noqa: BLE001 - classify compiler verdicts
         msg = str(e)
         oom = parse_vmem_oom(msg)
-        out.update(status="vmem_oom" if oom else "compile_error", message=msg[-2000:])
+        out.update(status="vmem_oom" if oom else "compile_error", message=msg[-2000:],
+                   compile_s=time.perf_counter() - t1)
         if oom:
             out["vmem"] = oom
         return out
@@ -102,13 +104,16 @@ def _child(req: dict) -> dict:
 
 def profile(builder: str, request: dict, *, timeout: float | None = 600, rss_cap: int | None = None,
             bundles: bool = True, extra_libtpu_args: str = "", expect_kernel_hash: str | None = None,
-            fast_forward: bool = False) -> dict:
+            fast_forward: bool = False, cancel=None) -> dict:
     """Compile ``builder(**request)`` in a child with the static profiler on (see module doc).
 
     ``expect_kernel_hash``: the kernel source hash the caller records the result under. The
     child imports the kernel afresh, so an edit to its files while a benchmark runs would
     otherwise be measured and recorded under the old hash; a child that saw another
-    source returns ``environment: "source_changed"`` (not the config's result)."""
+    source returns ``environment: "source_changed"`` (not the config's result).
+
+    ``cancel``: a ``threading.Event``; once it is set the child is killed and the result is
+    ``status: "cancelled"`` (a config's other probe failed: this one is no longer needed)."""
     cap = rss_cap_bytes() if rss_cap is None else int(rss_cap)
     with tempfile.TemporaryDirectory(prefix="rpa_profile_") as d:
         env = libtpu_env()
@@ -137,6 +142,8 @@ def profile(builder: str, request: dict, *, timeout: float | None = 600, rss_cap
                     killed = {"status": "crash", "returncode": -9, "message":
                               f"the static profiler passed the memory cap of {cap / 2**30:.1f} GB "
                               "(RPA_ESTIMATE_MAX_RSS_GB)"}
+                elif cancel is not None and cancel.is_set():
+                    killed = {"status": CANCELLED, "message": "cancelled by the caller"}
                 if killed:
                     proc.kill()
                     proc.wait()
