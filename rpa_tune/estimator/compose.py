@@ -311,8 +311,6 @@ def probe_config(*, builder: str, case: Case | str, bs: BlockSizes, tpu: str, mo
 
         forwarded = fast and not forward_failed.is_set()
         r, a = attempt(forwarded)
-        if r["status"] == profiler.CANCELLED:    # another probe failed while this one ran
-            return None
         # A fast-forwarded loop leaves the trace (and the cycles) without its skipped
         # iterations, which the audit sees as missing work: such a probe is profiled again
         # without fast-forward (so is one whose profiler crashed), and so are the config's
@@ -321,8 +319,8 @@ def probe_config(*, builder: str, case: Case | str, bs: BlockSizes, tpu: str, mo
             forward_failed.set()
             forwarded = False
             r, a = attempt(forwarded)
-            if r["status"] == profiler.CANCELLED:
-                return None
+        if r["status"] == profiler.CANCELLED:    # another probe failed while this one ran
+            return None
         if r["status"] != "ok":
             failed.set()
         return dict(probe=p, result=r, audit=a, fast_forward=forwarded, **spent)
