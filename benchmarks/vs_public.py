@@ -247,13 +247,14 @@ def best(ests: dict, w: Workload, case: Case, gen: str):
     return min(complete or ok, key=lambda x: x[2]["time_s"])
 
 
-def fmt_cell(b) -> str:
+def fmt_cell(b) -> tuple[str, str, str]:
+    """(time, MBU / MFU at that time, cycles @ config; bound) of a kernel's best config."""
     if b is None:
-        return "fails", ""
+        return "fails", "", ""
     bs, e, t = b
     mark = "" if e.audit == audit.COMPLETE else " (audit incomplete)"
-    return (f"{t['time_s'] * 1e6:,.0f} µs{mark}", f"{e.cycles / 1e3:,.0f}k @ {tuple(bs)}; {t['active_bound']}"
-            f"{'' if t['rate_ok'] else ', rate > peak'}")
+    return (f"{t['time_s'] * 1e6:,.0f} µs{mark}", f"{t['mbu']:.0%} / {t['mfu']:.0%}",
+            f"{e.cycles / 1e3:,.0f}k @ {tuple(bs)}; {t['active_bound']}{'' if t['rate_ok'] else ', rate > peak'}")
 
 
 _KEY_LINES = ("Ran out of memory", "Check failed", "RESOURCE_EXHAUSTED", "memory cap", "exceeded", "Error", "error")
@@ -280,14 +281,15 @@ def main() -> None:
     args = ap.parse_args()
     _CACHE.update(_load_cache())
     gens = args.tpu or ["v6e"]
-    lines = ["| gen | workload | ours: time | ours: cycles @ best config; bound | public: time | "
-             "public: cycles @ best; bound | ours / public (time) |", "|---|---|---:|---|---:|---|---:|"]
+    lines = ["| gen | workload | ours: time | ours: MBU / MFU | ours: cycles @ best config; bound | public: time | "
+             "public: MBU / MFU | public: cycles @ best; bound | ours / public (time) |",
+             "|---|---|---:|---:|---|---:|---:|---|---:|"]
     notes = []
     for gen, name, case, w, per in rows(gens, args.only):
         b = {k: best(per[k], w, case, gen) for k in KERNELS}
         o, p = fmt_cell(b["ours"]), fmt_cell(b["public"])
         ratio = f"{b['ours'][2]['time_s'] / b['public'][2]['time_s']:.2f}" if b["ours"] and b["public"] else ""
-        lines.append(f"| {gen} | {name} | {o[0]} | {o[1]} | {p[0]} | {p[1]} | {ratio} |")
+        lines.append(f"| {gen} | {name} | {' | '.join(o)} | {' | '.join(p)} | {ratio} |")
         print(lines[-1], flush=True)
         for k in KERNELS:
             for bs, e in per[k].items():

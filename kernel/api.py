@@ -211,13 +211,15 @@ def prepare_inputs(queries, keys, values, kv_cache, options: Options):
 def case_spec(case: Case, options: Options, *, num_kv_heads, group, head_dim, page_size,
               pages_per_seq, kv_rows, kv_pack, max_num_seqs, static_meta=None) -> rpa.KernelSpec:
     idx = CASES.index(case)
+    gen = get_generation(options.generation)
     return rpa.KernelSpec(
         case=case, bs=options.block_sizes[idx], num_kv_heads=num_kv_heads, group=group,
         head_dim_p=round_up(head_dim, 128), page_size=page_size, pages_per_seq=pages_per_seq,
         kv_rows=kv_rows, kv_pack=kv_pack, max_num_seqs=max_num_seqs, sm_scale=options.sm_scale,
         sliding_window=options.sliding_window, soft_cap=options.soft_cap,
         k_scale=options.k_scale, v_scale=options.v_scale, q_scale=options.q_scale,
-        static_meta=static_meta, skip_dead_chunks=get_generation(options.generation).skip_dead_chunks)
+        static_meta=static_meta, skip_dead_chunks=gen.skip_dead_chunks,
+        score_tile_vregs=gen.score_tile_vregs)
 
 
 def default_case_vmem_limit(bs: BlockSizes, *, generation: str, num_q_heads: int, num_kv_heads: int,

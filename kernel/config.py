@@ -157,14 +157,18 @@ class TpuGeneration:
     # libtpu's static profiler aborts on the branch there, so no config could be ranked
     # without a device (kernel/rpa.py, compute_step).
     skip_dead_chunks: bool = True
+    # f32 score-tile budget (vregs) of one online-softmax update (kernel/rpa.py, _row_tile).
+    # The 256-wide MXUs (v6e, TPU7x) want tall tiles: every tile pushes the chunk's K as
+    # MXU weights again. The 128-wide ones want short tiles (their spills cost more).
+    score_tile_vregs: int = 256
 
 
 GENERATIONS: dict[str, TpuGeneration] = {
     g.name: g
     for g in (
-        TpuGeneration("v4", "v4:2x2x1", "TPU v4", "TPU_V4"),
-        TpuGeneration("v5e", "v5e:1x1", "TPU v5 lite", "TPU_V5E"),
-        TpuGeneration("v5p", "v5p:2x2x1", "TPU v5", "TPU_V5P"),
+        TpuGeneration("v4", "v4:2x2x1", "TPU v4", "TPU_V4", score_tile_vregs=16),
+        TpuGeneration("v5e", "v5e:1x1", "TPU v5 lite", "TPU_V5E", score_tile_vregs=16),
+        TpuGeneration("v5p", "v5p:2x2x1", "TPU v5", "TPU_V5P", score_tile_vregs=16),
         TpuGeneration("v6e", "v6e:1x1", "TPU v6 lite", "TPU_V6E"),
         TpuGeneration("tpu7x", "tpu7x:2x2x1", "TPU7x", "TPU_7X", skip_dead_chunks=False),
     )

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Sequence
 
 import jax
@@ -47,8 +48,6 @@ from .vmem import kv_buffer_rows
 
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 LANES = 128
-# f32 score-tile budget (vregs) of one online-softmax update; see _row_tile.
-ROW_TILE_VREGS = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +74,7 @@ class KernelSpec:
     # the metadata the kernel reads (see ``kernel.analysis``), or None.
     static_meta: tuple | None = None
     skip_dead_chunks: bool = True   # prefill / mixed: skip chunks with no visible key
+    score_tile_vregs: int = 256     # see _row_tile and TpuGeneration.score_tile_vregs
 
     @property
     def name(self) -> str:
@@ -254,19 +254,19 @@ def _bf16_exact(x):
     return pltpu.bitcast(w.astype(jnp.uint16), jnp.bfloat16)
 
 
-def _row_tile(rows: int, ckv: int) -> int:
+def _row_tile(rows: int, ckv: int, budget_vregs: int) -> int:
     """Rows of q per online-softmax update: the largest divisor of ``rows`` that is a
     multiple of 16 (a bf16 q tile) and keeps the f32 score tile (rows x ckv) within
-    ``ROW_TILE_VREGS`` vregs; ``rows`` itself when it has no such divisor (small decode
-    tiles). Measured on v6e (prefill q block, Llama-3-8B shard, bs (128, 512, 128, 256),
-    512 x 256 scores = 128 vregs): one 512-row tile 15.9k cycles, 256-row tiles 16.7k,
-    128 17.0k, 64 62.6k (the scheduler spills the score tile either way, as it overlaps
-    heads; smaller tiles add MXU weight pushes and per-tile overhead). But one 512-row
-    tile ran out of VMEM on TPU7x (spilled score tiles of several heads); 256-row tiles
-    (budget 64) compile and profile on v5e, v6e and TPU7x, and beat 128-row ones on all
-    three (TPU7x 17.2k vs 17.6k, v5e 25.0k vs 25.3k; v6e with 1K of context 35.5k vs
-    36.3k), so the budget is 64."""
-    budget = max(16, (ROW_TILE_VREGS * 8 * LANES) // max(LANES, ckv))
+    ``budget_vregs`` vregs; ``rows`` itself when it has no such divisor (small decode
+    tiles). Every tile pushes the chunk's K into the MXU as weights again, and the score
+    tile is spilled either way (the register file holds 64 vregs). Measured on prefill
+    q blocks (Llama-3-8B shard; with the heads' tiles software-pipelined): v6e, 256
+    tokens after 1K, (128, 512, 128, 256): 512-row tiles (budget 256) 49.7k cycles,
+    256-row (64) 50.3k; a 512-token causal chunk at (256, 1024, 128, 512): 44.6k (256),
+    45.7k (128), 52.9k (64), 76.4k (32). TPU7x, 256 after 1K: 58.3k (256), 59.2k (64).
+    v5e, 256 after 1K: 73.0k (64), 77.8k (128 or more). Hence a budget per generation
+    (``TpuGeneration.score_tile_vregs``)."""
+    budget = max(16, (budget_vregs * 8 * LANES) // max(LANES, ckv))
     best = None
     for t in range(16, min(rows, budget) + 1, 16):
         if rows % t == 0:
@@ -286,10 +286,16 @@ def _make_kernel(spec: KernelSpec, interpret: bool = False):
     heads_per_row = pk // 2 if pk >= 2 else 1
     window = spec.sliding_window
     scale = spec.sm_scale * (spec.q_scale or 1.0) * (spec.k_scale or 1.0)
+    # The score scale is folded into q once per q block (see load_q); without a soft cap,
+    # so is log2(e): scores are then in base 2 and exp2 replaces exp, which costs the same
+    # as exp minus its multiply by log2(e). Two multiplies per score element fewer.
+    base2 = spec.soft_cap is None
+    q_fold = scale * (math.log2(math.e) if base2 else 1.0)
+    _exp = jnp.exp2 if base2 else jnp.exp
     v_scale = spec.v_scale
     lo_idx, hi_idx = {Case.DECODE: (None, 0), Case.PREFILL: (0, 1), Case.MIXED: (1, 2)}[case]
     analysis = spec.static_meta is not None
-    row_tile = _row_tile(cq * G, ckv)
+    row_tile = _row_tile(cq * G, ckv, spec.score_tile_vregs)
 
     def kernel(kv_lens_ref, page_idx_ref, cu_ref, dist_ref,      # scalar prefetch (SMEM)
                q_hbm, newkv_hbm, cache_hbm, o_in_hbm,             # inputs (HBM)
@@ -478,25 +484,32 @@ def _make_kernel(spec: KernelSpec, interpret: bool = False):
             acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
         def load_q(qslot):
-            """The q block, head-major: qh[h, t * G + g] = q[t, h, g] (bf16, the MXU operand
-            dtype). Done once per q block; every step, chunk and row tile then reads its
-            rows as one aligned 2-D slab."""
+            """The q block, head-major and scaled: qh[h, t * G + g] = q[t, h, g] * q_fold
+            (bf16, the MXU operand dtype). Done once per q block; every step, chunk and row
+            tile then reads its rows as one aligned 2-D slab."""
             for h in range(Hkv):
                 q = q_buf[qslot, :, h].astype(jnp.float32).reshape(bq * G, Dp)
-                qh_ref[h] = q.astype(qh_ref.dtype)
+                qh_ref[h] = (q * q_fold).astype(qh_ref.dtype)
 
-        def scores(h, r, q_first, k, k_pos, kv_valid):
-            """Masked, scaled scores of q rows [r, r + row_tile) of head h against k."""
+        def scores(h, r, q_first, k, k_pos, key_end):
+            """Masked scores (scaled by q_fold) of q rows [r, r + row_tile) of head h against
+            k, whose keys are at ``k_pos`` (1, ckv); keys at ``key_end`` or later are masked
+            (``key_end`` None: none is)."""
             q = qh_ref[h, pl.ds(r, row_tile)]
             s = jax.lax.dot_general(q.astype(k.dtype), k, (((1,), (1,)), ((), ())),
-                                    preferred_element_type=jnp.float32) * scale
+                                    preferred_element_type=jnp.float32)
             if spec.soft_cap is not None:
                 s = spec.soft_cap * jnp.tanh(s / spec.soft_cap)
-            mask = kv_valid          # None: every key of the chunk is below the limit
+            mask = None
             if not decode or window:
                 q_pos = q_first + _div(r + jax.lax.broadcasted_iota(jnp.int32, (row_tile, 1), 0), G)
             if not decode:
-                mask = _and(mask, k_pos <= q_pos)
+                # causal and below key_end: one compare per score vreg, against the
+                # row's last visible position
+                last = q_pos if key_end is None else jnp.minimum(q_pos, key_end - 1)
+                mask = k_pos <= last
+            elif key_end is not None:
+                mask = k_pos < key_end
             if window:
                 mask = _and(mask, k_pos > q_pos - window)
             return s if mask is None else jnp.where(mask, s, MASK_VALUE)
@@ -506,15 +519,15 @@ def _make_kernel(spec: KernelSpec, interpret: bool = False):
             (rows, 128) end to end: no lane slicing and re-broadcasting through the permute
             unit on every update."""
             m_new = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
-            p = jnp.exp(s - _lanes(m_new, s.shape[1]))
-            alpha = jnp.exp(m_prev - m_new)
+            p = _exp(s - _lanes(m_new, s.shape[1]))
+            alpha = _exp(m_prev - m_new)
             return p, alpha, m_new, alpha * l_prev + p.sum(axis=1, keepdims=True)
 
-        def qk_softmax(h, r, q_first, k, k_pos, kv_valid):
+        def qk_softmax(h, r, q_first, k, k_pos, key_end):
             """Scores of a row tile of head h against k and the update of its m and l (in
             VMEM): returns (p, alpha)."""
             rows = pl.ds(r, row_tile)
-            s = scores(h, r, q_first, k, k_pos, kv_valid)
+            s = scores(h, r, q_first, k, k_pos, key_end)
             p, alpha, m_ref[h, rows], l_ref[h, rows] = online_softmax(s, m_ref[h, rows], l_ref[h, rows])
             return p, alpha
 
@@ -526,11 +539,11 @@ def _make_kernel(spec: KernelSpec, interpret: bool = False):
         def row_tiles(y):
             return [y * (cq * G) + r0 for r0 in range(0, cq * G, row_tile)]
 
-        def flash_update(h, y, q_first, k, v, k_pos, kv_valid):
+        def flash_update(h, y, q_first, k, v, k_pos, key_end):
             """One online-softmax update of q chunk y of head h against (k, v), in row tiles
             of ``row_tile`` rows (the score tile of one fits in the vreg file)."""
             for r in row_tiles(y):
-                pv_update(h, r, *qk_softmax(h, r, q_first, k, k_pos, kv_valid), v)
+                pv_update(h, r, *qk_softmax(h, r, q_first, k, k_pos, key_end), v)
 
         def split_kv(kv, j):
             """kv: f32 (n, ps, pk, Dp) of one packed row -> K, V (n*ps, Dp) of its j-th head.
@@ -543,29 +556,37 @@ def _make_kernel(spec: KernelSpec, interpret: bool = False):
 
         # bf16 KV (packing 2): each (K, V) pair of a head is one uint32 word, so one head's
         # K and V rows of a chunk are one sublane-strided load (stride = packed rows) of
-        # the block viewed as uint32. The interpreter cannot load through a reshaped /
-        # bitcast ref, so under interpret it loads the chunk and bitcasts the value; both
-        # read the same words (pltpu.bitcast packs rows 2i, 2i+1 into word i).
-        # Mosaic's strided load needs a base ref with a 128-lane last dim: for head_dim >
-        # 128 the word rows are viewed as Dp / 128 rows of 128 lanes (the same bytes: the
-        # buffer is tiled (1, 128)) and each lane tile is one strided load.
+        # the block viewed as uint32 (Mosaic's ref bitcast, like pltpu.bitcast, packs rows
+        # 2i, 2i+1 into word i). Mosaic's strided load needs a base ref with a 128-lane
+        # last dim: for head_dim > 128 the word rows are viewed as Dp / 128 rows of 128
+        # lanes (a row-major reshape) and each lane tile is one strided load. The
+        # interpreter cannot load through a reshaped / bitcast ref: there the same view
+        # is built as a value (pltpu.bitcast, reshape) and each strided load is a dynamic
+        # slice taken every ``stride`` rows, from the same start and stride
+        # (tests/test_kernel_interpret.py runs it; tests/test_kernel_deviceless.py checks
+        # the compiled path's Mosaic ops and shapes).
         word_split = pk == 2 and Dp % LANES == 0
         buf_rows = kv_buffer_rows(spec.kv_rows)
 
         def kv_words(kvslot, x, h):
             """uint32 (ckv, Dp): word t = (K, V) of head h at row t of chunk x."""
             if interpret:
-                raw = kv_buf[kvslot, pl.ds(x * pages_per_chunk, pages_per_chunk)]
-                words = pltpu.bitcast(raw.reshape(ckv * buf_rows * pk, Dp), jnp.uint32)
-                return words.reshape(ckv, buf_rows, Dp)[:, h, :]
-            words = kv_buf.at[kvslot].reshape(bkv * buf_rows * pk, Dp).bitcast(jnp.uint32)
+                words = pltpu.bitcast(kv_buf[kvslot].reshape(bkv * buf_rows * pk, Dp), jnp.uint32)
+
+                def strided(rows, start, stride):
+                    span = jax.lax.dynamic_slice_in_dim(rows, start, (ckv - 1) * stride + 1, axis=0)
+                    return span[::stride]
+            else:
+                words = kv_buf.at[kvslot].reshape(bkv * buf_rows * pk, Dp).bitcast(jnp.uint32)
+
+                def strided(rows, start, stride):
+                    return rows[pl.ds(start, ckv, stride=stride), :]
+            row0 = x * (ckv * buf_rows) + h      # word row of (K, V) of head h, token 0
             if Dp == LANES:
-                return words[pl.ds(x * (ckv * buf_rows) + h, ckv, stride=buf_rows), :]
-            nt = Dp // LANES                 # word row r, lane tile j -> row r * nt + j
+                return strided(words, row0, buf_rows)
+            nt = Dp // LANES                     # word row r, lane tile j -> row r * nt + j
             tiles = words.reshape(bkv * buf_rows * nt, LANES)
-            row0 = (x * (ckv * buf_rows) + h) * nt
-            return jnp.concatenate([tiles[pl.ds(row0 + j, ckv, stride=buf_rows * nt), :] for j in range(nt)],
-                                   axis=1)
+            return jnp.concatenate([strided(tiles, row0 * nt + j, buf_rows * nt) for j in range(nt)], axis=1)
 
         def compute_step(info, i, k_step, kvslot, c0, nc, n0):
             q_start, q_len, kv_len, ctx, _ = info
@@ -584,18 +605,18 @@ def _make_kernel(spec: KernelSpec, interpret: bool = False):
             x_lo = _min(x_hi, _div(_max(0, lo_pos - base), ckv)) if window else 0
 
             def chunk_keys(x, masked=True):
-                """Positions of chunk x's keys (1, ckv), and which keys (1, ckv) and rows
-                (ckv, 1) are below the limit (None when not ``masked``)."""
+                """Positions of chunk x's keys (1, ckv), the position keys must be below
+                (the limit) and which rows (ckv, 1) are (both None when not ``masked``)."""
                 start = base + x * ckv
                 k_pos = start + jax.lax.broadcasted_iota(jnp.int32, (1, ckv), 1)
                 if not masked:
                     return k_pos, None, None
                 rows = start + jax.lax.broadcasted_iota(jnp.int32, (ckv, 1), 0)
-                return k_pos, k_pos < limit, rows < limit
+                return k_pos, limit, rows < limit
 
             def decode_chunk(x, state, masked=True):
                 """Decode, bf16: chunk x against every head; state = per head (m, l, acc)."""
-                k_pos, kv_valid, row_ok = chunk_keys(x, masked)
+                k_pos, key_end, row_ok = chunk_keys(x, masked)
                 # Every head's scores and softmax are issued before any head's PV product.
                 # The MXU hands results back in issue order, so a PV issued right after its
                 # own head's scores leaves the MXU idle through that head's softmax. TPU7x,
@@ -605,18 +626,18 @@ def _make_kernel(spec: KernelSpec, interpret: bool = False):
                 stats = []
                 for h, (m, l, _) in enumerate(state):
                     kk, vv = _split_words(kv_words(kvslot, x, h), v_scale, row_ok)
-                    p, alpha, m, l = online_softmax(scores(h, 0, q_first, kk, k_pos, kv_valid), m, l)
+                    p, alpha, m, l = online_softmax(scores(h, 0, q_first, kk, k_pos, key_end), m, l)
                     stats.append((p, alpha, m, l, vv))
                 return tuple(
                     (m, l, _lanes(alpha, Dp) * acc + jnp.dot(p.astype(vv.dtype), vv, preferred_element_type=jnp.float32))
                     for (p, alpha, m, l, vv), (_, _, acc) in zip(stats, state))
 
             def chunk(x, carry):
-                k_pos, kv_valid, row_ok = chunk_keys(x)
+                k_pos, key_end, row_ok = chunk_keys(x)
 
                 def attend(h, kk, vv):
                     def qc(y, carry3):
-                        flash_update(h, y, q_first, kk, vv, k_pos, kv_valid)
+                        flash_update(h, y, q_first, kk, vv, k_pos, key_end)
                         return carry3
 
                     # Up to MAX_UNROLLED_Q_CHUNKS q chunks are unrolled, more are a loop, in
@@ -627,22 +648,16 @@ def _make_kernel(spec: KernelSpec, interpret: bool = False):
                     _loop(0, n_qchunks, qc, 0, unroll_static=not bs.q_chunk_loop)
 
                 if word_split:
-                    def one_head(h, carry2):
-                        kk, vv = _split_words(kv_words(kvslot, x, h), v_scale, row_ok)
-                        attend(h, kk, vv)
-                        return carry2
+                    if bs.q_chunk_loop:
+                        def one_head(h, carry2):
+                            kk, vv = _split_words(kv_words(kvslot, x, h), v_scale, row_ok)
+                            attend(h, kk, vv)
+                            return carry2
 
-                    # Heads are unrolled: the scheduler can overlap one head's QK / softmax
-                    # with another's PV. (As a loop, prefill / mixed hit the same profiler
-                    # abort on TPU7x as a chunk loop does; see below.) The price is VMEM:
-                    # the compiler may keep several heads' score tiles live, so large
-                    # (cq x group) x ckv tiles can stop fitting; the compiler's verdict per
-                    # config decides (the tuner records vmem_oom).
-                    if n_qchunks > 1:
                         for h in range(Hkv):
                             one_head(h, 0)
                         return carry
-                    # One q chunk: the heads' tiles are software-pipelined in program
+                    # The heads' and q chunks' tiles are software-pipelined in program
                     # order, the PV product of one tile issued after the scores of the
                     # next, so the MXU has independent work while a tile's softmax runs
                     # (v6e, (128, 512, 128, 256): 1K causal prefill 125.5k -> 121.1k
@@ -651,11 +666,12 @@ def _make_kernel(spec: KernelSpec, interpret: bool = False):
                     pending = None
                     for h in range(Hkv):
                         kk, vv = _split_words(kv_words(kvslot, x, h), v_scale, row_ok)
-                        for r in row_tiles(0):
-                            p, alpha = qk_softmax(h, r, q_first, kk, k_pos, kv_valid)
-                            if pending is not None:
-                                pending()
-                            pending = functools.partial(pv_update, h, r, p, alpha, vv)
+                        for y in range(n_qchunks):
+                            for r in row_tiles(y):
+                                p, alpha = qk_softmax(h, r, q_first, kk, k_pos, key_end)
+                                if pending is not None:
+                                    pending()
+                                pending = functools.partial(pv_update, h, r, p, alpha, vv)
                     pending()
                     return carry
 
@@ -736,14 +752,14 @@ def _make_kernel(spec: KernelSpec, interpret: bool = False):
                 if v_scale is not None:
                     vv = vv * v_scale
                 q = qh_ref[h, pl.ds(0, G)].astype(jnp.float32)
-                s = jnp.sum(q * kk, axis=1, keepdims=True) * scale           # (G, 1)
+                s = jnp.sum(q * kk, axis=1, keepdims=True)                   # (G, 1), scaled
                 if spec.soft_cap is not None:
                     s = spec.soft_cap * jnp.tanh(s / spec.soft_cap)
                 g = pl.ds(0, G)
                 m_prev = m_ref[h, g]
                 m_new = jnp.maximum(m_prev, s)                   # (G, 128)
-                p = jnp.exp(s - m_new)
-                alpha = jnp.exp(m_prev - m_new)
+                p = _exp(s - m_new)
+                alpha = _exp(m_prev - m_new)
                 l_ref[h, g] = alpha * l_ref[h, g] + p
                 m_ref[h, g] = m_new
                 acc_ref[h, g] = _lanes(alpha, Dp) * acc_ref[h, g] + _lanes(p, Dp) * vv

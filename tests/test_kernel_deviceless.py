@@ -43,3 +43,52 @@ def test_vmem_oom_is_reported_with_bytes():
 def test_llama3_8b_heuristic_compiles_every_generation(tpu, case, page_size, max_num_tokens):
     compiled = _compile(tpu, case, page_size=page_size, max_num_tokens=max_num_tokens)
     assert f"rpa_{case}_" in compiled.as_text()
+
+
+def _mosaic_text(monkeypatch, model, tpu, case, block_sizes):
+    """The Mosaic MLIR of one case's kernel, as lowered for ``tpu`` (before serialization)."""
+    from jax._src import tpu_custom_call
+    seen = []
+    original = tpu_custom_call._lower_mosaic_module_to_asm
+
+    def spy(module, **kw):
+        seen.append(str(module))
+        return original(module, **kw)
+
+    monkeypatch.setattr(tpu_custom_call, "_lower_mosaic_module_to_asm", spy)
+    limits = ServingLimits(page_size=128, max_num_tokens=512, max_num_seqs=8, max_model_len=2048)
+    lower_deviceless(model, limits, tpu, {case: block_sizes}, cases=(case,))
+    texts = [t for t in seen if f"rpa_{case}_" in t]
+    assert len(texts) == 1, f"expected one rpa_{case} Mosaic module, got {len(texts)}"
+    return texts[0]
+
+
+@pytest.mark.parametrize("head_dim", [128, 256])
+@pytest.mark.parametrize("case,block_sizes", [("decode", (1, 1024, 1, 512)), ("prefill", (64, 512, 64, 256))])
+def test_bf16_kv_split_is_one_strided_word_load_per_head(monkeypatch, head_dim, case, block_sizes):
+    """The compiled-only bf16 K/V split (kernel/rpa.py, kv_words), read from the Mosaic
+    the compiler receives: the KV block (pages, page, packed rows, 2, Dp) bf16 is viewed
+    as uint32 words of (K, V) pairs, (pages * page * rows, Dp), and each head's chunk is
+    one load of ckv word rows at a stride of one token's packed rows (per 128-lane tile
+    when head_dim > 128). A wrong view, stride or shape fails here; the same start and
+    stride arithmetic runs in the interpreter (tests/test_kernel_interpret.py)."""
+    import re
+    hkv, ckv = 8, block_sizes[3]
+    text = _mosaic_text(monkeypatch, ModelShape(32, hkv, head_dim), "v6e", case, block_sizes)
+    shape = lambda s: [int(d) for d in s.split("x")]
+    # the KV scratch buffer: (2 slots, pages, page, rows, 2, Dp) bf16
+    bufs = {tuple(shape(m)) for m in re.findall(r"memref<(2x\d+x128x\d+x2x\d+)xbf16", text)}
+    assert len(bufs) == 1, bufs
+    _, pages, page, rows, _, dp = next(iter(bufs))
+    assert dp == head_dim and pages * page == block_sizes[1] and rows >= hkv
+    words = pages * page * rows
+    casts = re.findall(r"tpu\.memref_bitcast %\w+ : memref<(\d+x\d+)xbf16.*?> -> memref<(\d+x\d+)xi32", text)
+    assert casts and all(shape(a) == [2 * words, dp] and shape(b) == [words, dp] for a, b in casts), casts[:3]
+    nt = head_dim // 128
+    loads = re.findall(r"tpu\.strided_load %\w+\[[^\]]*\] \{strides = array<i32: (\d+), (\d+)>\} : "
+                       r"memref<(\d+x\d+)xi32.*?>, vector<(\d+x\d+)xi32>", text)
+    assert len(loads) >= hkv * nt, f"{len(loads)} strided word loads for {hkv} heads"
+    for row_stride, lane_stride, src, out in loads:
+        assert (int(row_stride), int(lane_stride)) == (rows * nt, 1)
+        assert shape(src) == [words * nt, 128]
+        assert shape(out) == [ckv, 128]
