@@ -50,6 +50,31 @@ MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 LANES = 128
 
 
+class _Sem:
+    """Rows of the DMA semaphore array ``sems`` (rows x 2 slots)."""
+    Q = 0          # q block -> q_buf[slot]
+    KV = 1         # a KV step's pages -> kv_buf[slot]
+    O = 2          # o_buf[slot] -> output (slot 0 only: writes are awaited in order)
+    CACHE = 3      # new tokens' K/V -> cache pages (slot 0 only)
+    NEW_KV = 4     # decode: the new token's K/V row -> nkv_buf[slot]
+    ROWS = 5
+
+
+class _Word:
+    """Words of the SMEM scalar scratch ``cnt_ref``. KV_PAGES_0 / KV_PAGES_1: pages in
+    flight into KV slot 0 / 1, at static addresses (libtpu's static profiler does not
+    follow SMEM at a dynamic address; a wait count read that way made its estimate depend
+    on the order of the sequences: v6e decode, the same 8 contexts, 158k cycles sorted,
+    245k not)."""
+    KV_PAGES_0 = 0
+    KV_PAGES_1 = 1
+    Q_SLOT = 2         # q_buf slot of the current q block
+    KV_SLOT = 3        # kv_buf slot of the current KV step
+    O_SLOT = 4         # o_buf slot the next output goes through
+    O_PENDING = 5      # 1 once an output write is in flight
+    COUNT = 6
+
+
 @dataclasses.dataclass(frozen=True)
 class KernelSpec:
     """Everything static about one case's kernel (hashable: it keys compilation)."""
@@ -171,10 +196,10 @@ def _when(cond, fn):
 
 def _like_runs(lo: int, hi: int, kv_lens, cu_q_lens) -> list[tuple[int, int]]:
     """Sequences ``lo .. hi - 1`` cut into maximal runs with the same q and KV length."""
+    shape = lambda s: (cu_q_lens[s + 1] - cu_q_lens[s], kv_lens[s])     # (q_len, kv_len)
     runs = []
     for s in range(lo, hi):
-        like = runs and kv_lens[s] == kv_lens[s - 1] and cu_q_lens[s + 1] - cu_q_lens[s] == cu_q_lens[s] - cu_q_lens[s - 1]
-        if like:
+        if runs and shape(s) == shape(s - 1):
             runs[-1] = (runs[-1][0], s + 1)
         else:
             runs.append((s, s + 1))
@@ -223,6 +248,11 @@ def _lanes(x, n: int):
     return wide if n % LANES == 0 else wide[:, :n]
 
 
+def _bf16_of_low_bits(w):
+    """bf16 whose bits are the low 16 bits of each uint32 in ``w``."""
+    return pltpu.bitcast(w.astype(jnp.uint16), jnp.bfloat16)
+
+
 def _split_words(w, v_scale, v_ok=None):
     """bf16 K/V pairs packed in uint32 words -> (K, V) bf16.
 
@@ -236,8 +266,8 @@ def _split_words(w, v_scale, v_ok=None):
     (LLO type check: "Expected vector-int16, got vector-int32" at a vunpack)."""
     if v_ok is not None:
         w = jnp.where(v_ok, w, jnp.zeros_like(w))
-    k = pltpu.bitcast(w.astype(jnp.uint16), jnp.bfloat16)
-    v = pltpu.bitcast((w >> 16).astype(jnp.uint16), jnp.bfloat16)
+    k = _bf16_of_low_bits(w)
+    v = _bf16_of_low_bits(w >> 16)
     if v_scale is not None:
         v = (v.astype(jnp.float32) * v_scale).astype(jnp.bfloat16)
     return k, v
@@ -250,8 +280,7 @@ def _bf16_exact(x):
     unpacks it as 16-bit integers: with the profiler on, every generation's compiler then
     fails its LLO type check ("Expected vector-int16, got vector-bf16packed" at a
     ``vunpack``), and fp8 KV could not be estimated."""
-    w = jax.lax.bitcast_convert_type(x, jnp.uint32) >> 16
-    return pltpu.bitcast(w.astype(jnp.uint16), jnp.bfloat16)
+    return _bf16_of_low_bits(jax.lax.bitcast_convert_type(x, jnp.uint32) >> 16)
 
 
 def _row_tile(rows: int, ckv: int, budget_vregs: int) -> int:
@@ -370,11 +399,11 @@ def _make_kernel(spec: KernelSpec, interpret: bool = False):
         # ------------------------------------------------------------------ DMAs
         def q_copy(q_start, i, slot):
             return pltpu.make_async_copy(
-                q_hbm.at[pl.ds(q_start + i * bq, bq)], q_buf.at[slot], sems.at[0, slot])
+                q_hbm.at[pl.ds(q_start + i * bq, bq)], q_buf.at[slot], sems.at[_Sem.Q, slot])
 
         def nkv_copy(q_start, slot):  # decode: the new token's K/V row
             return pltpu.make_async_copy(
-                newkv_hbm.at[pl.ds(q_start, 1)], nkv_buf.at[slot], sems.at[4, slot])
+                newkv_hbm.at[pl.ds(q_start, 1)], nkv_buf.at[slot], sems.at[_Sem.NEW_KV, slot])
 
         def fetch_q(s, i, slot):
             info = seq_info(s)
@@ -389,7 +418,8 @@ def _make_kernel(spec: KernelSpec, interpret: bool = False):
 
         def page_copy(src, slot, p):
             # (the buffer may have a padding row per token: see kernel.vmem.kv_buffer_rows)
-            return pltpu.make_async_copy(src, kv_buf.at[slot, p, :, pl.ds(0, spec.kv_rows)], sems.at[1, slot])
+            return pltpu.make_async_copy(src, kv_buf.at[slot, p, :, pl.ds(0, spec.kv_rows)],
+                                         sems.at[_Sem.KV, slot])
 
         def fetch_kv(s, i, k, slot):
             info = seq_info(s)
@@ -402,12 +432,9 @@ def _make_kernel(spec: KernelSpec, interpret: bool = False):
                 limit = ctx
             valid = _max(0, _min(bkv, limit - blk * bkv))
             npages = _cdiv(valid, ps)
-            # Pages in flight per KV slot, at static SMEM addresses 0 / 1 (slot is 0 or 1):
-            # libtpu's static profiler does not follow SMEM at a dynamic address, and a
-            # wait count read that way made its estimate depend on the order of the
-            # sequences (v6e decode, the same 8 contexts: 158k cycles sorted, 245k not).
-            cnt_ref[0] = _select_lt(slot, 1, npages, cnt_ref[0])
-            cnt_ref[1] = _select_lt(slot, 1, cnt_ref[1], npages)
+            # pages in flight into this slot (static addresses: see _Word)
+            cnt_ref[_Word.KV_PAGES_0] = _select_lt(slot, 1, npages, cnt_ref[_Word.KV_PAGES_0])
+            cnt_ref[_Word.KV_PAGES_1] = _select_lt(slot, 1, cnt_ref[_Word.KV_PAGES_1], npages)
             sc = clamp_seq(s)
 
             def one_page(p, carry):
@@ -431,7 +458,7 @@ def _make_kernel(spec: KernelSpec, interpret: bool = False):
             jax.lax.fori_loop(0, pages_per_block, one_page, 0)
 
         def wait_kv(slot):
-            n = _select_lt(slot, 1, cnt_ref[0], cnt_ref[1])
+            n = _select_lt(slot, 1, cnt_ref[_Word.KV_PAGES_0], cnt_ref[_Word.KV_PAGES_1])
 
             def one_page(p, carry):
                 @pl.when(p < n)
@@ -443,7 +470,7 @@ def _make_kernel(spec: KernelSpec, interpret: bool = False):
 
         def o_copy(q_start, i, slot):
             return pltpu.make_async_copy(
-                o_buf.at[slot], o_hbm.at[pl.ds(q_start + i * bq, bq)], sems.at[2, 0])
+                o_buf.at[slot], o_hbm.at[pl.ds(q_start + i * bq, bq)], sems.at[_Sem.O, 0])
 
         # KV-cache update: new rows [ctx, kv_len) -> pages, HBM -> HBM.
         def cache_update(s, info, do_wait: bool):
@@ -454,7 +481,7 @@ def _make_kernel(spec: KernelSpec, interpret: bool = False):
                 page = page_of(sc * spec.pages_per_seq + _div(pos, ps))
                 return pltpu.make_async_copy(
                     newkv_hbm.at[pl.ds(src_row, rows)],
-                    cache_out_hbm.at[page, pl.ds(_rem(pos, ps), rows)], sems.at[3, 0])
+                    cache_out_hbm.at[page, pl.ds(_rem(pos, ps), rows)], sems.at[_Sem.CACHE, 0])
 
             if decode:
                 c = copy(q_start, ctx, 1)
@@ -675,8 +702,6 @@ def _make_kernel(spec: KernelSpec, interpret: bool = False):
                     pending()
                     return carry
 
-                v_ok = row_ok
-
                 def head_row(r, carry2):
                     kv = kv_buf[kvslot, pl.ds(x * pages_per_chunk, pages_per_chunk), :, r]
                     kv = kv.astype(jnp.float32)
@@ -685,7 +710,7 @@ def _make_kernel(spec: KernelSpec, interpret: bool = False):
                         if isinstance(h, int) and h >= Hkv:
                             break
                         kk, vv = split_kv(kv, j)
-                        vv = jnp.where(v_ok, vv, 0.0)
+                        vv = jnp.where(row_ok, vv, 0.0)
                         kk = _bf16_exact(kk)
                         vv = vv.astype(jnp.bfloat16)
                         _when_head(h, functools.partial(attend, h, kk, vv))
@@ -770,8 +795,6 @@ def _make_kernel(spec: KernelSpec, interpret: bool = False):
                 o_buf[oslot, :, h] = out.reshape(bq, G, Dp).astype(o_buf.dtype)
 
         # ---------------------------------------------------------- pipeline
-        qslot_ref = cnt_ref.at[pl.ds(2, 1)]   # current q slot (read inside flash_update)
-
         def run_case(seg_lo, seg_hi):
             """Every sequence of the case through one pipeline: a loop over the sequences,
             a loop over each one's q blocks. Analysis mode (static bounds) loops over each
@@ -781,10 +804,8 @@ def _make_kernel(spec: KernelSpec, interpret: bool = False):
             def run():
                 fetch_q(seg_lo, 0, 0)
                 fetch_kv(seg_lo, 0, 0, 0)
-                cnt_ref[3] = 0  # q slot
-                cnt_ref[4] = 0  # kv slot
-                cnt_ref[5] = 0  # o slot
-                cnt_ref[6] = 0  # o write pending
+                for w in (_Word.Q_SLOT, _Word.KV_SLOT, _Word.O_SLOT, _Word.O_PENDING):
+                    cnt_ref[w] = 0
 
                 def seq_body(s, carry):
                     info = seq_info(s)
@@ -795,8 +816,7 @@ def _make_kernel(spec: KernelSpec, interpret: bool = False):
                         nxt_s = _select_lt(i + 1, nq, s, s + 1)       # last_q ? s + 1 : s
                         nxt_i = _select_lt(i + 1, nq, i + 1, 0)       # last_q ? 0 : i + 1
                         has_next = nxt_s < seg_hi
-                        qslot = cnt_ref[3]
-                        cnt_ref[2] = qslot
+                        qslot = cnt_ref[_Word.Q_SLOT]
 
                         @pl.when(has_next)
                         def _():
@@ -809,7 +829,7 @@ def _make_kernel(spec: KernelSpec, interpret: bool = False):
                         nsteps = nc + nn
 
                         def step(k, carry3):
-                            kvslot = cnt_ref[4]
+                            kvslot = cnt_ref[_Word.KV_SLOT]
                             last_step = k + 1 >= nsteps
 
                             @pl.when(jnp.logical_not(last_step))
@@ -822,23 +842,23 @@ def _make_kernel(spec: KernelSpec, interpret: bool = False):
 
                             wait_kv(kvslot)
                             compute_step(info, i, k, kvslot, c0, nc, n0)
-                            cnt_ref[4] = 1 - kvslot
+                            cnt_ref[_Word.KV_SLOT] = 1 - kvslot
                             return carry3
 
                         jax.lax.fori_loop(0, nsteps, step, 0)
                         if decode:
                             decode_new_token(qslot, qslot)
-                        oslot = cnt_ref[5]
+                        oslot = cnt_ref[_Word.O_SLOT]
                         finalize(oslot)
 
-                        @pl.when(cnt_ref[6] == 1)
+                        @pl.when(cnt_ref[_Word.O_PENDING] == 1)
                         def _():
                             o_copy(0, 0, 1 - oslot).wait()
 
                         o_copy(q_start, i, oslot).start()
-                        cnt_ref[6] = 1
-                        cnt_ref[5] = 1 - oslot
-                        cnt_ref[3] = 1 - qslot
+                        cnt_ref[_Word.O_PENDING] = 1
+                        cnt_ref[_Word.O_SLOT] = 1 - oslot
+                        cnt_ref[_Word.Q_SLOT] = 1 - qslot
                         return carry2
 
                     _loop(0, nq, qblock, 0, unroll_static=True)     # static: decode's 1
@@ -855,9 +875,9 @@ def _make_kernel(spec: KernelSpec, interpret: bool = False):
                         else:
                             jax.lax.fori_loop(r0, r1, seq_body, 0)
 
-                @pl.when(cnt_ref[6] == 1)
+                @pl.when(cnt_ref[_Word.O_PENDING] == 1)
                 def _():
-                    o_copy(0, 0, 1 - cnt_ref[5]).wait()
+                    o_copy(0, 0, 1 - cnt_ref[_Word.O_SLOT]).wait()
 
             _when(seg_lo < seg_hi, run)
 
@@ -881,9 +901,9 @@ def build_case_call(spec: KernelSpec, *, q_shape, q_dtype, newkv_shape, cache_sh
         pltpu.VMEM((Hkv, bq * G, Dp), jnp.float32),                # acc
         pltpu.VMEM((Hkv, bq * G, LANES), jnp.float32),             # m
         pltpu.VMEM((Hkv, bq * G, LANES), jnp.float32),             # l
-        pltpu.SMEM((8,), jnp.int32),                               # counters / slots
+        pltpu.SMEM((_Word.COUNT,), jnp.int32),                     # slots / counters (_Word)
         pltpu.SMEM((2 * spec.max_num_seqs + 1 if spec.static_meta else 1,), jnp.int32),
-        pltpu.SemaphoreType.DMA((5, 2)),
+        pltpu.SemaphoreType.DMA((_Sem.ROWS, 2)),
     ]
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     # Analysis mode reads its metadata from static SMEM stores, so the four metadata
