@@ -126,3 +126,32 @@ def test_dead_chunks_skipped_or_computed_give_the_same_attention(generation, win
                         Workload.of_case("mixed", [1, 23], [50, 61]))
     kw = {} if window is None else dict(sliding_window=window)
     run_and_check(GQA, SMALL, w, sm_scale=0.1, p_block_sizes=(16, 64, 8, 16), m_block_sizes=(8, 64, 8, 16), **kw)
+
+
+def test_row_tiles_of_every_head_and_q_chunk_pipelined(monkeypatch):
+    """Prefill / mixed run the online-softmax tiles of every KV head, q chunk and row tile
+    in one software pipeline (each tile's PV product issued after the next tile's scores).
+    A score-tile budget of one vreg forces 16-row tiles, so a q block of two q chunks of
+    eight tokens x 4 q heads per KV head is eight tiles per head: every hand-over of
+    m / l / acc between tiles is checked against the reference."""
+    import dataclasses
+    from kernel import config
+    from kernel.hardware import GENERATION_ENV
+    from kernel.rpa import _row_tile
+    monkeypatch.setitem(config.GENERATIONS, "v6e", dataclasses.replace(config.GENERATIONS["v6e"], score_tile_vregs=1))
+    monkeypatch.setenv(GENERATION_ENV, "v6e")
+    assert _row_tile(8 * GQA.group, 16, config.get_generation("v6e").score_tile_vregs) == 16
+    w = Workload.concat(None, Workload.of_case("prefill", [40, 9], [40, 75]),
+                        Workload.of_case("mixed", [1, 23], [50, 61]))
+    run_and_check(GQA, SMALL, w, sm_scale=0.1, p_block_sizes=(16, 64, 8, 16), m_block_sizes=(16, 32, 8, 16))
+
+
+def test_score_tile_budget_per_generation():
+    from kernel.config import get_generation
+    from kernel.rpa import _row_tile
+    # a prefill q chunk of 128 tokens x 4 q heads per KV head against 256 keys
+    assert _row_tile(512, 256, get_generation("v6e").score_tile_vregs) == 512
+    assert _row_tile(512, 256, get_generation("tpu7x").score_tile_vregs) == 512
+    assert _row_tile(512, 256, get_generation("v5e").score_tile_vregs) == 256
+    # decode tiles (the q heads of one token) are never split
+    assert _row_tile(4, 1024, 1) == 4
