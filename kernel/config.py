@@ -166,9 +166,9 @@ class TpuGeneration:
 GENERATIONS: dict[str, TpuGeneration] = {
     g.name: g
     for g in (
-        TpuGeneration("v4", "v4:2x2x1", "TPU v4", "TPU_V4", score_tile_vregs=16),
-        TpuGeneration("v5e", "v5e:1x1", "TPU v5 lite", "TPU_V5E", score_tile_vregs=16),
-        TpuGeneration("v5p", "v5p:2x2x1", "TPU v5", "TPU_V5P", score_tile_vregs=16),
+        TpuGeneration("v4", "v4:2x2x1", "TPU v4", "TPU_V4", score_tile_vregs=64),
+        TpuGeneration("v5e", "v5e:1x1", "TPU v5 lite", "TPU_V5E", score_tile_vregs=64),
+        TpuGeneration("v5p", "v5p:2x2x1", "TPU v5", "TPU_V5P", score_tile_vregs=64),
         TpuGeneration("v6e", "v6e:1x1", "TPU v6 lite", "TPU_V6E"),
         TpuGeneration("tpu7x", "tpu7x:2x2x1", "TPU7x", "TPU_7X", skip_dead_chunks=False),
     )

@@ -36,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import typing
 from typing import Sequence
 
 import jax
@@ -303,585 +304,673 @@ def _row_tile(rows: int, ckv: int, budget_vregs: int) -> int:
     return best or rows
 
 
-def _make_kernel(spec: KernelSpec, interpret: bool = False):
-    case, bs = spec.case, spec.bs
-    bq, bkv, cq, ckv = bs
-    ps, pk, Hkv, G, Dp = spec.page_size, spec.kv_pack, spec.num_kv_heads, spec.group, spec.head_dim_p
-    pages_per_block = bkv // ps
-    pages_per_chunk = ckv // ps
-    n_chunks = bkv // ckv
-    n_qchunks = bq // cq
-    decode = case == Case.DECODE
-    heads_per_row = pk // 2 if pk >= 2 else 1
-    window = spec.sliding_window
-    scale = spec.sm_scale * (spec.q_scale or 1.0) * (spec.k_scale or 1.0)
-    # The score scale is folded into q once per q block (see load_q); without a soft cap,
-    # so is log2(e): scores are then in base 2 and exp2 replaces exp, which costs the same
-    # as exp minus its multiply by log2(e). Two multiplies per score element fewer.
-    base2 = spec.soft_cap is None
-    q_fold = scale * (math.log2(math.e) if base2 else 1.0)
-    _exp = jnp.exp2 if base2 else jnp.exp
-    v_scale = spec.v_scale
-    lo_idx, hi_idx = {Case.DECODE: (None, 0), Case.PREFILL: (0, 1), Case.MIXED: (1, 2)}[case]
-    analysis = spec.static_meta is not None
-    row_tile = _row_tile(cq * G, ckv, spec.score_tile_vregs)
+@dataclasses.dataclass(frozen=True)
+class _Geometry:
+    """Static sizes and choices of one case's kernel, derived from its ``KernelSpec``."""
 
-    def kernel(kv_lens_ref, page_idx_ref, cu_ref, dist_ref,      # scalar prefetch (SMEM)
-               q_hbm, newkv_hbm, cache_hbm, o_in_hbm,             # inputs (HBM)
-               o_hbm, cache_out_hbm,                              # outputs (aliased)
-               q_buf, kv_buf, nkv_buf, o_buf, qh_ref, acc_ref, m_ref, l_ref,
-               cnt_ref, meta_ref, sems):
-        del o_in_hbm, cache_hbm  # aliased to the outputs
-        run_of = [None]     # analysis mode: the run of like sequences being traced
-        if analysis:
-            seq_range, kv_lens_c, cu_c = spec.static_meta
-            for i, v in enumerate(kv_lens_c):
-                meta_ref[i] = v
-            for i, v in enumerate(cu_c):
-                meta_ref[spec.max_num_seqs + i] = v
+    spec: KernelSpec
+    bq: int
+    bkv: int
+    cq: int
+    ckv: int
+    ps: int                  # page size
+    pk: int                  # KV packing (entries per packed row)
+    Hkv: int
+    G: int                   # q heads per KV head
+    Dp: int                  # padded head dim
+    pages_per_block: int
+    pages_per_chunk: int
+    n_chunks: int            # ckv chunks per KV block
+    n_qchunks: int           # cq chunks per q block
+    decode: bool
+    heads_per_row: int       # KV heads per packed row
+    window: int | None
+    q_fold: float            # folded into q once per q block (see load_q)
+    base2: bool              # scores in base 2 (exp2) rather than e
+    row_tile: int            # q rows per online-softmax update
+    word_split: bool         # bf16 KV: K / V split from uint32 words (kv_words)
+    buf_rows: int            # packed rows per token in the KV block buffer
 
-            # libtpu's static profiler reads an SMEM address it cannot resolve statically
-            # as 0. A static sequence index reads the stored metadata; a traced one (the
-            # loop over a run of like sequences, the next sequence a q block prefetches
-            # for) is at most one past the run being traced, so its metadata is a closed
-            # form of it, as branch-free scalar arithmetic the profiler follows.
-            def kv_len_of(s):
-                if isinstance(s, int):
-                    return meta_ref[s]
-                r0, r1 = run_of[0]
-                return _select_lt(s, r1, kv_lens_c[r0], kv_lens_c[min(r1, len(kv_lens_c) - 1)])
+    @classmethod
+    def of(cls, spec: KernelSpec) -> "_Geometry":
+        bq, bkv, cq, ckv = spec.bs
+        pk, Dp = spec.kv_pack, spec.head_dim_p
+        scale = spec.sm_scale * (spec.q_scale or 1.0) * (spec.k_scale or 1.0)
+        # The score scale is folded into q once per q block; without a soft cap, so is
+        # log2(e): scores are then in base 2 and exp2 replaces exp, which costs the same as
+        # exp minus its multiply by log2(e). Two multiplies per score element fewer.
+        base2 = spec.soft_cap is None
+        return cls(spec=spec, bq=bq, bkv=bkv, cq=cq, ckv=ckv, ps=spec.page_size, pk=pk, Hkv=spec.num_kv_heads,
+                   G=spec.group, Dp=Dp, pages_per_block=bkv // spec.page_size,
+                   pages_per_chunk=ckv // spec.page_size, n_chunks=bkv // ckv, n_qchunks=bq // cq,
+                   decode=spec.case == Case.DECODE, heads_per_row=pk // 2 if pk >= 2 else 1,
+                   window=spec.sliding_window, q_fold=scale * (math.log2(math.e) if base2 else 1.0),
+                   base2=base2, row_tile=_row_tile(cq * spec.group, ckv, spec.score_tile_vregs),
+                   word_split=pk == 2 and Dp % LANES == 0, buf_rows=kv_buffer_rows(spec.kv_rows))
 
-            def cu_of(s):
-                if isinstance(s, int):
-                    return meta_ref[spec.max_num_seqs + s]
-                r0, r1 = run_of[0]
-                q_len = cu_c[r0 + 1] - cu_c[r0]
-                return _select_lt(s, r1 + 1, cu_c[r0] + (_i32(s) - r0) * q_len,
-                                  cu_c[min(r1 + 1, len(cu_c) - 1)])
-            # The scalar-prefetch inputs are not read in analysis mode (they stay in HBM,
-            # see build_case_call). Which page a DMA reads does not change its cost, so
-            # every page is page 0.
-            page_of = lambda i: 0
+    def exp(self, x):
+        return jnp.exp2(x) if self.base2 else jnp.exp(x)
+
+
+class _Refs(typing.NamedTuple):
+    """The kernel's operands and scratch, in ``pallas_call`` order."""
+
+    kv_lens: object          # scalar prefetch (SMEM)
+    page_idx: object
+    cu_q_lens: object
+    dist: object
+    q_hbm: object            # inputs (HBM)
+    newkv_hbm: object
+    cache_in_hbm: object     # aliased to cache_hbm
+    o_in_hbm: object         # aliased to o_hbm
+    o_hbm: object            # outputs
+    cache_hbm: object
+    q_buf: object            # VMEM scratch (build_case_call)
+    kv_buf: object
+    nkv_buf: object
+    o_buf: object
+    qh: object
+    acc: object
+    m: object
+    l: object
+    cnt: object              # SMEM words (_Word)
+    meta: object             # SMEM: analysis mode's metadata
+    sems: object             # DMA semaphores (_Sem)
+
+
+class _Metadata:
+    """The scalar metadata the kernel reads, per sequence: from the scalar-prefetch arrays
+    when serving; in analysis mode (``spec.static_meta``) from a concrete workload's values
+    stored at static SMEM addresses, and in closed form for a traced sequence index.
+
+    libtpu's static profiler reads an SMEM address it cannot resolve statically as 0. A
+    static sequence index reads the stored metadata; a traced one (the loop over a run of
+    like sequences, the next sequence a q block prefetches for) is at most one past the
+    run being traced (``run``), so its metadata is a closed form of it, as branch-free
+    scalar arithmetic the profiler follows."""
+
+    def __init__(self, g: _Geometry, refs: _Refs):
+        self.g, self.refs, spec = g, refs, g.spec
+        self.run = None            # analysis mode: (first, end) of the run being traced
+        if spec.static_meta is not None:
+            self.seq_range, self.kv_lens_c, self.cu_c = spec.static_meta
+            for i, v in enumerate(self.kv_lens_c):
+                refs.meta[i] = v
+            for i, v in enumerate(self.cu_c):
+                refs.meta[spec.max_num_seqs + i] = v
         else:
-            kv_len_of = lambda s: kv_lens_ref[s]
-            cu_of = lambda s: cu_ref[s]
-            page_of = lambda i: page_idx_ref[i]
-            seq_lo = 0 if lo_idx is None else dist_ref[lo_idx]
-            seq_hi = dist_ref[hi_idx]
-            seq_range = (seq_lo, seq_hi)
+            lo_idx, hi_idx = {Case.DECODE: (None, 0), Case.PREFILL: (0, 1), Case.MIXED: (1, 2)}[spec.case]
+            self.seq_range = (0 if lo_idx is None else refs.dist[lo_idx], refs.dist[hi_idx])
 
-        def clamp_seq(s):
-            return _min(s, spec.max_num_seqs - 1)
+    @property
+    def analysis(self) -> bool:
+        return self.g.spec.static_meta is not None
 
-        def seq_info(s):
-            sc = clamp_seq(s)
-            q_start = cu_of(sc)
-            q_len = cu_of(sc + 1) - q_start
-            kv_len = kv_len_of(sc)
-            ctx = kv_len - q_len
-            nq = 1 if decode else _max(1, _cdiv(q_len, bq))
-            return q_start, q_len, kv_len, ctx, nq
+    def kv_len(self, s):
+        if not self.analysis:
+            return self.refs.kv_lens[s]
+        if isinstance(s, int):
+            return self.refs.meta[s]
+        r0, r1 = self.run
+        kv = self.kv_lens_c
+        return _select_lt(s, r1, kv[r0], kv[min(r1, len(kv) - 1)])
 
-        def qblock_steps(info, i):
-            """KV steps of q block i: (first cached block, #cached, first new block, #new)."""
-            q_start, q_len, kv_len, ctx, _ = info
-            q_first = ctx + i * bq                       # position of the block's first row
-            q_last = ctx + _min((i + 1) * bq, q_len) - 1  # position of its last valid row
-            lo = _max(0, q_first - window + 1) if window else 0
-            c0 = _div(lo, bkv)
-            nc = _max(0, _cdiv(ctx, bkv) - c0)
-            if decode:
-                return c0, _max(1, nc), 0, 0
-            n_lo = _div(_max(0, lo - ctx), bkv)
-            nn = _max(1, _cdiv(q_last - ctx + 1, bkv) - n_lo)
-            return c0, nc, n_lo, nn
+    def cu(self, s):
+        if not self.analysis:
+            return self.refs.cu_q_lens[s]
+        if isinstance(s, int):
+            return self.refs.meta[self.g.spec.max_num_seqs + s]
+        r0, r1 = self.run
+        cu = self.cu_c
+        q_len = cu[r0 + 1] - cu[r0]
+        return _select_lt(s, r1 + 1, cu[r0] + (_i32(s) - r0) * q_len, cu[min(r1 + 1, len(cu) - 1)])
 
-        # ------------------------------------------------------------------ DMAs
-        def q_copy(q_start, i, slot):
-            return pltpu.make_async_copy(
-                q_hbm.at[pl.ds(q_start + i * bq, bq)], q_buf.at[slot], sems.at[_Sem.Q, slot])
+    def page(self, i):
+        # Analysis mode does not read the scalar-prefetch inputs (they stay in HBM, see
+        # build_case_call); which page a DMA reads does not change its cost: page 0.
+        return 0 if self.analysis else self.refs.page_idx[i]
 
-        def nkv_copy(q_start, slot):  # decode: the new token's K/V row
-            return pltpu.make_async_copy(
-                newkv_hbm.at[pl.ds(q_start, 1)], nkv_buf.at[slot], sems.at[_Sem.NEW_KV, slot])
+    def clamp(self, s):
+        return _min(s, self.g.spec.max_num_seqs - 1)
 
-        def fetch_q(s, i, slot):
-            info = seq_info(s)
-            q_copy(info[0], i, slot).start()
-            if decode:
-                nkv_copy(info[0], slot).start()
+    def seq_info(self, s):
+        """(q_start, q_len, kv_len, ctx, number of q blocks) of sequence s."""
+        sc = self.clamp(s)
+        q_start = self.cu(sc)
+        q_len = self.cu(sc + 1) - q_start
+        kv_len = self.kv_len(sc)
+        nq = 1 if self.g.decode else _max(1, _cdiv(q_len, self.g.bq))
+        return q_start, q_len, kv_len, kv_len - q_len, nq
 
-        def wait_q(slot):
-            q_copy(0, 0, slot).wait()
-            if decode:
-                nkv_copy(0, slot).wait()
+    def qblock_steps(self, info, i):
+        """KV steps of q block i: (first cached block, #cached, first new block, #new)."""
+        g = self.g
+        q_start, q_len, kv_len, ctx, _ = info
+        q_first = ctx + i * g.bq                       # position of the block's first row
+        q_last = ctx + _min((i + 1) * g.bq, q_len) - 1  # position of its last valid row
+        lo = _max(0, q_first - g.window + 1) if g.window else 0
+        c0 = _div(lo, g.bkv)
+        nc = _max(0, _cdiv(ctx, g.bkv) - c0)
+        if g.decode:
+            return c0, _max(1, nc), 0, 0
+        n_lo = _div(_max(0, lo - ctx), g.bkv)
+        nn = _max(1, _cdiv(q_last - ctx + 1, g.bkv) - n_lo)
+        return c0, nc, n_lo, nn
 
-        def page_copy(src, slot, p):
-            # (the buffer may have a padding row per token: see kernel.vmem.kv_buffer_rows)
-            return pltpu.make_async_copy(src, kv_buf.at[slot, p, :, pl.ds(0, spec.kv_rows)],
-                                         sems.at[_Sem.KV, slot])
 
-        def fetch_kv(s, i, k, slot):
-            info = seq_info(s)
-            q_start, q_len, kv_len, ctx, _ = info
-            c0, nc, n0, _ = qblock_steps(info, i)
-            cached = k < nc
-            blk = _select_lt(k, nc, c0 + k, n0 + k - nc)
-            limit = _select_lt(k, nc, ctx, q_len)
-            if decode:
-                limit = ctx
-            valid = _max(0, _min(bkv, limit - blk * bkv))
-            npages = _cdiv(valid, ps)
-            # pages in flight into this slot (static addresses: see _Word)
-            cnt_ref[_Word.KV_PAGES_0] = _select_lt(slot, 1, npages, cnt_ref[_Word.KV_PAGES_0])
-            cnt_ref[_Word.KV_PAGES_1] = _select_lt(slot, 1, cnt_ref[_Word.KV_PAGES_1], npages)
-            sc = clamp_seq(s)
+class _Dmas:
+    """Every async copy of the kernel, by what it moves (semaphores: ``_Sem``)."""
 
-            def one_page(p, carry):
-                @pl.when(p < npages)
-                def _():
-                    if decode:
-                        page = page_of(sc * spec.pages_per_seq + blk * pages_per_block + p)
-                        page_copy(cache_out_hbm.at[page], slot, p).start()
-                    else:
-                        @pl.when(cached)
-                        def _():
-                            page = page_of(sc * spec.pages_per_seq + blk * pages_per_block + p)
-                            page_copy(cache_out_hbm.at[page], slot, p).start()
+    def __init__(self, g: _Geometry, refs: _Refs, meta: _Metadata):
+        self.g, self.refs, self.meta = g, refs, meta
 
-                        @pl.when(jnp.logical_not(cached))
-                        def _():
-                            row = q_start + blk * bkv + p * ps
-                            page_copy(newkv_hbm.at[pl.ds(row, ps)], slot, p).start()
-                return carry
+    def q_block(self, q_start, i, slot):
+        r = self.refs
+        return pltpu.make_async_copy(r.q_hbm.at[pl.ds(q_start + i * self.g.bq, self.g.bq)], r.q_buf.at[slot],
+                                     r.sems.at[_Sem.Q, slot])
 
-            jax.lax.fori_loop(0, pages_per_block, one_page, 0)
+    def new_kv_row(self, q_start, slot):
+        """Decode: the new token's K/V row."""
+        r = self.refs
+        return pltpu.make_async_copy(r.newkv_hbm.at[pl.ds(q_start, 1)], r.nkv_buf.at[slot],
+                                     r.sems.at[_Sem.NEW_KV, slot])
 
-        def wait_kv(slot):
-            n = _select_lt(slot, 1, cnt_ref[_Word.KV_PAGES_0], cnt_ref[_Word.KV_PAGES_1])
+    def kv_page(self, src, slot, p):
+        """One page (or page-sized run of new tokens) into page p of KV slot ``slot`` (the
+        buffer may have a padding row per token: see kernel.vmem.kv_buffer_rows)."""
+        r = self.refs
+        return pltpu.make_async_copy(src, r.kv_buf.at[slot, p, :, pl.ds(0, self.g.spec.kv_rows)],
+                                     r.sems.at[_Sem.KV, slot])
 
-            def one_page(p, carry):
-                @pl.when(p < n)
-                def _():
-                    page_copy(cache_out_hbm.at[0], slot, p).wait()
-                return carry
+    def o_block(self, q_start, i, slot):
+        r = self.refs
+        return pltpu.make_async_copy(r.o_buf.at[slot], r.o_hbm.at[pl.ds(q_start + i * self.g.bq, self.g.bq)],
+                                     r.sems.at[_Sem.O, 0])
 
-            jax.lax.fori_loop(0, pages_per_block, one_page, 0)
+    def cache_rows(self, s, src_row, pos, rows):
+        """New tokens' K/V rows [src_row, + rows) -> sequence s's cache at position pos."""
+        g, r = self.g, self.refs
+        page = self.meta.page(self.meta.clamp(s) * g.spec.pages_per_seq + _div(pos, g.ps))
+        return pltpu.make_async_copy(r.newkv_hbm.at[pl.ds(src_row, rows)],
+                                     r.cache_hbm.at[page, pl.ds(_rem(pos, g.ps), rows)], r.sems.at[_Sem.CACHE, 0])
 
-        def o_copy(q_start, i, slot):
-            return pltpu.make_async_copy(
-                o_buf.at[slot], o_hbm.at[pl.ds(q_start + i * bq, bq)], sems.at[_Sem.O, 0])
+    def fetch_q(self, s, i, slot):
+        q_start = self.meta.seq_info(s)[0]
+        self.q_block(q_start, i, slot).start()
+        if self.g.decode:
+            self.new_kv_row(q_start, slot).start()
 
-        # KV-cache update: new rows [ctx, kv_len) -> pages, HBM -> HBM.
-        def cache_update(s, info, do_wait: bool):
-            q_start, q_len, kv_len, ctx, _ = info
-            sc = clamp_seq(s)
+    def wait_q(self, slot):
+        self.q_block(0, 0, slot).wait()
+        if self.g.decode:
+            self.new_kv_row(0, slot).wait()
 
-            def copy(src_row, pos, rows):
-                page = page_of(sc * spec.pages_per_seq + _div(pos, ps))
-                return pltpu.make_async_copy(
-                    newkv_hbm.at[pl.ds(src_row, rows)],
-                    cache_out_hbm.at[page, pl.ds(_rem(pos, ps), rows)], sems.at[_Sem.CACHE, 0])
+    def fetch_kv(self, s, i, k, slot):
+        """Start the page copies of KV step k of (sequence s, q block i) into ``slot``."""
+        g, r, meta = self.g, self.refs, self.meta
+        info = meta.seq_info(s)
+        q_start, q_len, kv_len, ctx, _ = info
+        c0, nc, n0, _ = meta.qblock_steps(info, i)
+        cached = k < nc
+        blk = _select_lt(k, nc, c0 + k, n0 + k - nc)
+        limit = ctx if g.decode else _select_lt(k, nc, ctx, q_len)
+        npages = _cdiv(_max(0, _min(g.bkv, limit - blk * g.bkv)), g.ps)
+        # pages in flight into this slot (static addresses: see _Word)
+        r.cnt[_Word.KV_PAGES_0] = _select_lt(slot, 1, npages, r.cnt[_Word.KV_PAGES_0])
+        r.cnt[_Word.KV_PAGES_1] = _select_lt(slot, 1, r.cnt[_Word.KV_PAGES_1], npages)
+        sc = meta.clamp(s)
 
-            if decode:
-                c = copy(q_start, ctx, 1)
+        def cached_page(p):
+            page = meta.page(sc * g.spec.pages_per_seq + blk * g.pages_per_block + p)
+            self.kv_page(r.cache_hbm.at[page], slot, p).start()
+
+        def new_rows(p):
+            self.kv_page(r.newkv_hbm.at[pl.ds(q_start + blk * g.bkv + p * g.ps, g.ps)], slot, p).start()
+
+        def one_page(p, carry):
+            @pl.when(p < npages)
+            def _():
+                if g.decode:
+                    cached_page(p)
+                else:
+                    pl.when(cached)(functools.partial(cached_page, p))
+                    pl.when(jnp.logical_not(cached))(functools.partial(new_rows, p))
+            return carry
+
+        jax.lax.fori_loop(0, g.pages_per_block, one_page, 0)
+
+    def wait_kv(self, slot):
+        r = self.refs
+        n = _select_lt(slot, 1, r.cnt[_Word.KV_PAGES_0], r.cnt[_Word.KV_PAGES_1])
+
+        def one_page(p, carry):
+            @pl.when(p < n)
+            def _():
+                self.kv_page(r.cache_hbm.at[0], slot, p).wait()
+            return carry
+
+        jax.lax.fori_loop(0, self.g.pages_per_block, one_page, 0)
+
+    def cache_update(self, s, info, do_wait: bool):
+        """KV-cache update of sequence s: its new rows [ctx, kv_len) -> its pages, HBM ->
+        HBM; started (``do_wait`` False) when the sequence starts, awaited when it ends."""
+        g = self.g
+        q_start, q_len, kv_len, ctx, _ = info
+        if g.decode:
+            c = self.cache_rows(s, q_start, ctx, 1)
+            (c.wait if do_wait else c.start)()
+            return
+
+        def one_page(p, carry):
+            lo = _max(ctx, p * g.ps)
+            n = _min(kv_len, (p + 1) * g.ps) - lo
+
+            def issue(off, size):
+                c = self.cache_rows(s, q_start + lo - ctx + off, lo + off, size)
                 (c.wait if do_wait else c.start)()
-                return
-            p_first = _div(ctx, ps)
-            p_end = _cdiv(kv_len, ps)
 
-            def one_page(p, carry):
-                lo = _max(ctx, p * ps)
-                hi = _min(kv_len, (p + 1) * ps)
-                n = hi - lo
+            _pow2_copies(n, g.ps, issue)
+            return carry
 
-                def issue(off, size):
-                    c = copy(q_start + lo - ctx + off, lo + off, size)
-                    (c.wait if do_wait else c.start)()
+        _loop(_div(ctx, g.ps), _cdiv(kv_len, g.ps), one_page, 0)
 
-                _pow2_copies(n, ps, issue)
+
+class _Attention:
+    """The compute of a q block: q in, online-softmax state (m, l, acc in VMEM) updated per
+    KV step, the output block out. Nothing here issues or awaits a DMA."""
+
+    def __init__(self, g: _Geometry, refs: _Refs, interpret: bool):
+        self.g, self.refs, self.interpret = g, refs, interpret
+
+    def init_acc(self):
+        r = self.refs
+        r.m[...] = jnp.full(r.m.shape, MASK_VALUE, jnp.float32)
+        r.l[...] = jnp.zeros(r.l.shape, jnp.float32)
+        r.acc[...] = jnp.zeros(r.acc.shape, jnp.float32)
+
+    def load_q(self, qslot):
+        """The q block, head-major and scaled: qh[h, t * G + g] = q[t, h, g] * q_fold (bf16,
+        the MXU operand dtype). Done once per q block; every step, chunk and row tile then
+        reads its rows as one aligned 2-D slab."""
+        g, r = self.g, self.refs
+        for h in range(g.Hkv):
+            q = r.q_buf[qslot, :, h].astype(jnp.float32).reshape(g.bq * g.G, g.Dp)
+            r.qh[h] = (q * g.q_fold).astype(r.qh.dtype)
+
+    def scores(self, h, row, q_first, k, k_pos, key_end):
+        """Masked scores (scaled by q_fold) of q rows [row, row + row_tile) of head h against
+        k, whose keys are at ``k_pos`` (1, ckv); keys at ``key_end`` or later are masked
+        (``key_end`` None: none is)."""
+        g, soft_cap = self.g, self.g.spec.soft_cap
+        q = self.refs.qh[h, pl.ds(row, g.row_tile)]
+        s = jax.lax.dot_general(q.astype(k.dtype), k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        if soft_cap is not None:
+            s = soft_cap * jnp.tanh(s / soft_cap)
+        mask = None
+        if not g.decode or g.window:
+            q_pos = q_first + _div(row + jax.lax.broadcasted_iota(jnp.int32, (g.row_tile, 1), 0), g.G)
+        if not g.decode:
+            # causal and below key_end: one compare per score vreg, against the row's last
+            # visible position
+            last = q_pos if key_end is None else jnp.minimum(q_pos, key_end - 1)
+            mask = k_pos <= last
+        elif key_end is not None:
+            mask = k_pos < key_end
+        if g.window:
+            mask = _and(mask, k_pos > q_pos - g.window)
+        return s if mask is None else jnp.where(mask, s, MASK_VALUE)
+
+    def online_softmax(self, s, m_prev, l_prev):
+        """One online-softmax step: (p, alpha, m, l). m and l stay lane-replicated (rows,
+        128) end to end: no lane slicing and re-broadcasting through the permute unit on
+        every update."""
+        m_new = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
+        p = self.g.exp(s - _lanes(m_new, s.shape[1]))
+        alpha = self.g.exp(m_prev - m_new)
+        return p, alpha, m_new, alpha * l_prev + p.sum(axis=1, keepdims=True)
+
+    def qk_softmax(self, h, row, q_first, k, k_pos, key_end):
+        """Scores of a row tile of head h against k and the update of its m and l (in
+        VMEM): returns (p, alpha)."""
+        r, rows = self.refs, pl.ds(row, self.g.row_tile)
+        s = self.scores(h, row, q_first, k, k_pos, key_end)
+        p, alpha, r.m[h, rows], r.l[h, rows] = self.online_softmax(s, r.m[h, rows], r.l[h, rows])
+        return p, alpha
+
+    def pv_update(self, h, row, p, alpha, v):
+        r, rows = self.refs, pl.ds(row, self.g.row_tile)
+        pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+        r.acc[h, rows] = _lanes(alpha, self.g.Dp) * r.acc[h, rows] + pv
+
+    def row_tiles(self, y):
+        g = self.g
+        return [y * (g.cq * g.G) + r0 for r0 in range(0, g.cq * g.G, g.row_tile)]
+
+    def flash_update(self, h, y, q_first, k, v, k_pos, key_end):
+        """One online-softmax update of q chunk y of head h against (k, v), in row tiles."""
+        for row in self.row_tiles(y):
+            self.pv_update(h, row, *self.qk_softmax(h, row, q_first, k, k_pos, key_end), v)
+
+    def split_kv(self, kv, j):
+        """kv: f32 (n, ps, pk, Dp) of one packed row -> K, V (n*ps, Dp) of its j-th head.
+        (k_scale is folded into the score scale; v_scale is applied here.)"""
+        k = kv[:, :, 2 * j, :].reshape(-1, self.g.Dp)
+        v = kv[:, :, 2 * j + 1, :].reshape(-1, self.g.Dp)
+        if self.g.spec.v_scale is not None:
+            v = v * self.g.spec.v_scale
+        return k, v
+
+    # bf16 KV (packing 2): each (K, V) pair of a head is one uint32 word, so one head's K
+    # and V rows of a chunk are one sublane-strided load (stride = packed rows) of the
+    # block viewed as uint32 (Mosaic's ref bitcast, like pltpu.bitcast, packs rows 2i,
+    # 2i+1 into word i). Mosaic's strided load needs a base ref with a 128-lane last dim:
+    # for head_dim > 128 the word rows are viewed as Dp / 128 rows of 128 lanes (a
+    # row-major reshape) and each lane tile is one strided load. The interpreter cannot
+    # load through a reshaped / bitcast ref: there the same view is built as a value
+    # (pltpu.bitcast, reshape) and each strided load is a dynamic slice taken every
+    # ``stride`` rows, from the same start and stride (tests/test_kernel_interpret.py runs
+    # it; tests/test_kernel_deviceless.py checks the compiled path's Mosaic ops and shapes).
+    def kv_words(self, kvslot, x, h):
+        """uint32 (ckv, Dp): word t = (K, V) of head h at row t of chunk x."""
+        g, kv_buf = self.g, self.refs.kv_buf
+        bkv, ckv, Dp, buf_rows = g.bkv, g.ckv, g.Dp, g.buf_rows
+        if self.interpret:
+            words = pltpu.bitcast(kv_buf[kvslot].reshape(bkv * buf_rows * g.pk, Dp), jnp.uint32)
+
+            def strided(rows, start, stride):
+                span = jax.lax.dynamic_slice_in_dim(rows, start, (ckv - 1) * stride + 1, axis=0)
+                return span[::stride]
+        else:
+            words = kv_buf.at[kvslot].reshape(bkv * buf_rows * g.pk, Dp).bitcast(jnp.uint32)
+
+            def strided(rows, start, stride):
+                return rows[pl.ds(start, ckv, stride=stride), :]
+        row0 = x * (ckv * buf_rows) + h      # word row of (K, V) of head h, token 0
+        if Dp == LANES:
+            return strided(words, row0, buf_rows)
+        nt = Dp // LANES                     # word row r, lane tile j -> row r * nt + j
+        tiles = words.reshape(bkv * buf_rows * nt, LANES)
+        return jnp.concatenate([strided(tiles, row0 * nt + j, buf_rows * nt) for j in range(nt)], axis=1)
+
+    def kv_of_head(self, kvslot, x, h, row_ok):
+        """bf16 (K, V) of head h in chunk x (word split); rows not ``row_ok`` zeroed in V."""
+        return _split_words(self.kv_words(kvslot, x, h), self.g.spec.v_scale, row_ok)
+
+    def compute_step(self, info, i, k_step, kvslot, c0, nc, n0):
+        """Attend q block i of the sequence (``info``) to KV step k_step, in KV slot kvslot."""
+        g, r, spec = self.g, self.refs, self.g.spec
+        bq, bkv, ckv, G, Dp, Hkv, window = g.bq, g.bkv, g.ckv, g.G, g.Dp, g.Hkv, g.window
+        q_start, q_len, kv_len, ctx, _ = info
+        blk = _select_lt(k_step, nc, c0 + k_step, n0 + k_step - nc)
+        base = _select_lt(k_step, nc, blk * bkv, ctx + blk * bkv)   # position of row 0
+        limit = _select_lt(k_step, nc, ctx, kv_len)                 # first invalid position
+        if g.decode:
+            base, limit = blk * bkv, ctx
+        q_first = ctx + i * bq
+        q_hi = ctx + _min((i + 1) * bq, q_len)                 # one past last valid pos
+        lo_pos = _max(0, q_first - window + 1) if window else 0
+
+        # Decode runs only the chunks that hold visible keys, [x_lo, x_hi), computed from
+        # the step's bounds, so the loop body has no branch.
+        x_hi = _min(g.n_chunks, _cdiv(_max(0, _min(limit, q_hi) - base), ckv))
+        x_lo = _min(x_hi, _div(_max(0, lo_pos - base), ckv)) if window else 0
+
+        def chunk_keys(x, masked=True):
+            """Positions of chunk x's keys (1, ckv), the position keys must be below (the
+            limit) and which rows (ckv, 1) are (both None when not ``masked``)."""
+            start = base + x * ckv
+            k_pos = start + jax.lax.broadcasted_iota(jnp.int32, (1, ckv), 1)
+            if not masked:
+                return k_pos, None, None
+            rows = start + jax.lax.broadcasted_iota(jnp.int32, (ckv, 1), 0)
+            return k_pos, limit, rows < limit
+
+        def decode_chunk(x, state, masked=True):
+            """Decode, bf16: chunk x against every head; state = per head (m, l, acc)."""
+            k_pos, key_end, row_ok = chunk_keys(x, masked)
+            # Every head's scores and softmax are issued before any head's PV product. The
+            # MXU hands results back in issue order, so a PV issued right after its own
+            # head's scores leaves the MXU idle through that head's softmax. TPU7x, 16 x 2K
+            # decode, (1, 2048, 1, 1024): PV after the own head's scores 171k cycles, after
+            # the next head's 107k, three heads later 91k, after all heads 89k (v6e: 146k,
+            # 134k, 133k).
+            stats = []
+            for h, (m, l, _) in enumerate(state):
+                kk, vv = self.kv_of_head(kvslot, x, h, row_ok)
+                p, alpha, m, l = self.online_softmax(self.scores(h, 0, q_first, kk, k_pos, key_end), m, l)
+                stats.append((p, alpha, m, l, vv))
+            return tuple(
+                (m, l, _lanes(alpha, Dp) * acc + jnp.dot(p.astype(vv.dtype), vv, preferred_element_type=jnp.float32))
+                for (p, alpha, m, l, vv), (_, _, acc) in zip(stats, state))
+
+        def chunk(x, carry):
+            k_pos, key_end, row_ok = chunk_keys(x)
+
+            def attend(h, kk, vv):
+                def qc(y, carry3):
+                    self.flash_update(h, y, q_first, kk, vv, k_pos, key_end)
+                    return carry3
+
+                # Up to MAX_UNROLLED_Q_CHUNKS q chunks are unrolled, more are a loop, in
+                # serving and in analysis alike (the estimate prices the program that
+                # serves). As a loop the chunks cost far more (a 512-token causal chunk:
+                # v6e (256, 512, 16, 256) 1.48x unrolled; (128, 512, 32, 256) 1.9x on v5e,
+                # 3.6x on TPU7x).
+                _loop(0, g.n_qchunks, qc, 0, unroll_static=not spec.bs.q_chunk_loop)
+
+            if g.word_split:
+                if spec.bs.q_chunk_loop:
+                    for h in range(Hkv):
+                        attend(h, *self.kv_of_head(kvslot, x, h, row_ok))
+                    return carry
+                # The heads' and q chunks' tiles are software-pipelined in program order,
+                # the PV product of one tile issued after the scores of the next, so the
+                # MXU has independent work while a tile's softmax runs (v6e, (128, 512,
+                # 128, 256): 1K causal prefill 125.5k -> 121.1k cycles, 512 causal 46.1k
+                # -> 44.8k). Holding more tiles' scores (as decode does) does not fit: a
+                # prefill tile is up to 256 vregs.
+                pending = None
+                for h in range(Hkv):
+                    kk, vv = self.kv_of_head(kvslot, x, h, row_ok)
+                    for y in range(g.n_qchunks):
+                        for row in self.row_tiles(y):
+                            p, alpha = self.qk_softmax(h, row, q_first, kk, k_pos, key_end)
+                            if pending is not None:
+                                pending()
+                            pending = functools.partial(self.pv_update, h, row, p, alpha, vv)
+                pending()
                 return carry
 
-            _loop(p_first, p_end, one_page, 0)
+            def head_row(kv_row, carry2):
+                kv = r.kv_buf[kvslot, pl.ds(x * g.pages_per_chunk, g.pages_per_chunk), :, kv_row]
+                kv = kv.astype(jnp.float32)
+                for j in range(g.heads_per_row):
+                    h = kv_row * g.heads_per_row + j
+                    if isinstance(h, int) and h >= Hkv:
+                        break
+                    kk, vv = self.split_kv(kv, j)
+                    vv = jnp.where(row_ok, vv, 0.0)
+                    kk = _bf16_exact(kk)
+                    vv = vv.astype(jnp.bfloat16)
+                    fn = functools.partial(attend, h, kk, vv)
+                    if isinstance(h, int) or Hkv % g.heads_per_row == 0:
+                        fn()
+                    else:
+                        pl.when(h < Hkv)(fn)
+                return carry2
 
-        # ------------------------------------------------------------ compute
-        def init_acc():
-            m_ref[...] = jnp.full(m_ref.shape, MASK_VALUE, jnp.float32)
-            l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
-            acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+            # Up to four head rows are unrolled, more are a loop, in analysis as in
+            # serving. (Earlier kernels unrolled this loop and the q-chunk loop in analysis
+            # mode only: as loops, libtpu's static profiler on TPU7x could abort once more
+            # than 49 iterations ran ("Cannot schedule FIFO push instruction when the FIFO
+            # is full. FIFO name: kTrf1"). A config that hits it is recorded as a profiler
+            # crash, not priced as another program.)
+            _loop(0, spec.kv_rows, head_row, 0, unroll_static=spec.kv_rows <= 4)
+            return carry
 
-        def load_q(qslot):
-            """The q block, head-major and scaled: qh[h, t * G + g] = q[t, h, g] * q_fold
-            (bf16, the MXU operand dtype). Done once per q block; every step, chunk and row
-            tile then reads its rows as one aligned 2-D slab."""
-            for h in range(Hkv):
-                q = q_buf[qslot, :, h].astype(jnp.float32).reshape(bq * G, Dp)
-                qh_ref[h] = (q * q_fold).astype(qh_ref.dtype)
+        if g.decode and g.word_split:
+            # The chunks wholly below the limit need no key mask and no V-row mask (their
+            # rows are all cached tokens); only the last one can be partial. The heads' m,
+            # l and acc (a few vregs each) are carried through the chunk loop as values and
+            # stored once per step.
+            x_full = _min(x_hi, _max(x_lo, _div(_max(0, limit - base), ckv)))
+            rows = pl.ds(0, G)
+            state = tuple((r.m[h, rows], r.l[h, rows], r.acc[h, rows]) for h in range(Hkv))
+            state = jax.lax.fori_loop(x_lo, x_full, functools.partial(decode_chunk, masked=False), state)
+            state = jax.lax.fori_loop(x_full, x_hi, decode_chunk, state)
+            for h, (m, l, acc) in enumerate(state):
+                r.m[h, rows], r.l[h, rows], r.acc[h, rows] = m, l, acc
+        elif g.decode:
+            jax.lax.fori_loop(x_lo, x_hi, chunk, 0)
+        else:
+            # Prefill / mixed: the chunks of a step are unrolled; each runs under a
+            # ``pl.when`` on whether it holds a visible key, so the chunks past the causal
+            # diagonal, past a cached step's valid tokens or before the window cost nothing
+            # (v6e, bq 128 / bkv 512 / ckv 256: a q block after 128 cached tokens 26.1k ->
+            # 17.2k cycles, a 512-token causal chunk 54.6k -> 46.1k, a q block after 4K of
+            # context 91.8k -> 89.0k). On TPU7x libtpu's static profiler aborts on that
+            # branch ("Cannot schedule FIFO push ... FIFO name: kErf", at a vexp2), as on a
+            # loop over the live range, so there every chunk is computed, masked
+            # (``TpuGeneration.skip_dead_chunks``).
+            for x in range(g.n_chunks):
+                if not spec.skip_dead_chunks:
+                    chunk(x, 0)
+                    continue
+                # a chunk is live when it holds a position below both the step's limit and
+                # the q block's last position (and, windowed, above the window's start)
+                live = base + x * ckv < _min(limit, q_hi)
+                if window:
+                    live = jnp.logical_and(live, base + (x + 1) * ckv > lo_pos)
+                pl.when(live)(functools.partial(_run_chunk, chunk, x))
 
-        def scores(h, r, q_first, k, k_pos, key_end):
-            """Masked scores (scaled by q_fold) of q rows [r, r + row_tile) of head h against
-            k, whose keys are at ``k_pos`` (1, ckv); keys at ``key_end`` or later are masked
-            (``key_end`` None: none is)."""
-            q = qh_ref[h, pl.ds(r, row_tile)]
-            s = jax.lax.dot_general(q.astype(k.dtype), k, (((1,), (1,)), ((), ())),
-                                    preferred_element_type=jnp.float32)
+    def decode_new_token(self, nslot):
+        """Decode: attend to the sequence's own new token (not in the cache reads)."""
+        g, r, spec = self.g, self.refs, self.g.spec
+        row = r.nkv_buf[nslot, 0].astype(jnp.float32)         # (kv_rows, pk, Dp)
+        grp = pl.ds(0, g.G)
+        for h in range(g.Hkv):
+            kv_row, j = divmod(2 * h, g.pk)
+            kk = row[kv_row, j:j + 1, :]                       # (1, Dp)
+            vv = row[kv_row, j + 1:j + 2, :]
+            if spec.v_scale is not None:
+                vv = vv * spec.v_scale
+            q = r.qh[h, grp].astype(jnp.float32)
+            s = jnp.sum(q * kk, axis=1, keepdims=True)                   # (G, 1), scaled
             if spec.soft_cap is not None:
                 s = spec.soft_cap * jnp.tanh(s / spec.soft_cap)
-            mask = None
-            if not decode or window:
-                q_pos = q_first + _div(r + jax.lax.broadcasted_iota(jnp.int32, (row_tile, 1), 0), G)
-            if not decode:
-                # causal and below key_end: one compare per score vreg, against the
-                # row's last visible position
-                last = q_pos if key_end is None else jnp.minimum(q_pos, key_end - 1)
-                mask = k_pos <= last
-            elif key_end is not None:
-                mask = k_pos < key_end
-            if window:
-                mask = _and(mask, k_pos > q_pos - window)
-            return s if mask is None else jnp.where(mask, s, MASK_VALUE)
+            m_prev = r.m[h, grp]
+            m_new = jnp.maximum(m_prev, s)                     # (G, 128)
+            p = g.exp(s - m_new)
+            alpha = g.exp(m_prev - m_new)
+            r.l[h, grp] = alpha * r.l[h, grp] + p
+            r.m[h, grp] = m_new
+            r.acc[h, grp] = _lanes(alpha, g.Dp) * r.acc[h, grp] + _lanes(p, g.Dp) * vv
 
-        def online_softmax(s, m_prev, l_prev):
-            """One online-softmax step: (p, alpha, m, l). m and l stay lane-replicated
-            (rows, 128) end to end: no lane slicing and re-broadcasting through the permute
-            unit on every update."""
-            m_new = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
-            p = _exp(s - _lanes(m_new, s.shape[1]))
-            alpha = _exp(m_prev - m_new)
-            return p, alpha, m_new, alpha * l_prev + p.sum(axis=1, keepdims=True)
+    def finalize(self, oslot):
+        g, r = self.g, self.refs
+        for h in range(g.Hkv):
+            out = r.acc[h] * (1.0 / r.l[h][:, :1])            # (bq * G, Dp)
+            r.o_buf[oslot, :, h] = out.reshape(g.bq, g.G, g.Dp).astype(r.o_buf.dtype)
 
-        def qk_softmax(h, r, q_first, k, k_pos, key_end):
-            """Scores of a row tile of head h against k and the update of its m and l (in
-            VMEM): returns (p, alpha)."""
-            rows = pl.ds(r, row_tile)
-            s = scores(h, r, q_first, k, k_pos, key_end)
-            p, alpha, m_ref[h, rows], l_ref[h, rows] = online_softmax(s, m_ref[h, rows], l_ref[h, rows])
-            return p, alpha
 
-        def pv_update(h, r, p, alpha, v):
-            rows = pl.ds(r, row_tile)
-            pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-            acc_ref[h, rows] = _lanes(alpha, Dp) * acc_ref[h, rows] + pv
+def _pipeline(g: _Geometry, meta: _Metadata, dma: _Dmas, attn: _Attention, cnt):
+    """Every sequence of the case through one double-buffered pipeline: a loop over the
+    sequences, a loop over each one's q blocks, a loop over each q block's KV steps. While
+    step k computes, step k + 1 (or the next q block's / sequence's first step) and the
+    next q block are being fetched; outputs are written back asynchronously, in order.
+    Analysis mode (static bounds) loops over each run of like sequences (same q and KV
+    length) instead, each run's metadata in closed form (``_Metadata``): the same bodies
+    and cross-sequence prefetch, every SMEM address and trip count known to the profiler.
+    Buffer slots and the output write in flight live in SMEM (``_Word``)."""
+    seg_lo, seg_hi = meta.seq_range
 
-        def row_tiles(y):
-            return [y * (cq * G) + r0 for r0 in range(0, cq * G, row_tile)]
+    def seq_body(s, carry):
+        info = meta.seq_info(s)
+        q_start, q_len, kv_len, ctx, nq = info
+        dma.cache_update(s, info, do_wait=False)
 
-        def flash_update(h, y, q_first, k, v, k_pos, key_end):
-            """One online-softmax update of q chunk y of head h against (k, v), in row tiles
-            of ``row_tile`` rows (the score tile of one fits in the vreg file)."""
-            for r in row_tiles(y):
-                pv_update(h, r, *qk_softmax(h, r, q_first, k, k_pos, key_end), v)
+        def qblock(i, carry2):
+            nxt_s = _select_lt(i + 1, nq, s, s + 1)       # last_q ? s + 1 : s
+            nxt_i = _select_lt(i + 1, nq, i + 1, 0)       # last_q ? 0 : i + 1
+            has_next = nxt_s < seg_hi
+            qslot = cnt[_Word.Q_SLOT]
 
-        def split_kv(kv, j):
-            """kv: f32 (n, ps, pk, Dp) of one packed row -> K, V (n*ps, Dp) of its j-th head.
-            (k_scale is folded into the score scale; v_scale is applied here.)"""
-            k = kv[:, :, 2 * j, :].reshape(-1, Dp)
-            v = kv[:, :, 2 * j + 1, :].reshape(-1, Dp)
-            if v_scale is not None:
-                v = v * v_scale
-            return k, v
+            @pl.when(has_next)
+            def _():
+                dma.fetch_q(nxt_s, nxt_i, 1 - qslot)
 
-        # bf16 KV (packing 2): each (K, V) pair of a head is one uint32 word, so one head's
-        # K and V rows of a chunk are one sublane-strided load (stride = packed rows) of
-        # the block viewed as uint32 (Mosaic's ref bitcast, like pltpu.bitcast, packs rows
-        # 2i, 2i+1 into word i). Mosaic's strided load needs a base ref with a 128-lane
-        # last dim: for head_dim > 128 the word rows are viewed as Dp / 128 rows of 128
-        # lanes (a row-major reshape) and each lane tile is one strided load. The
-        # interpreter cannot load through a reshaped / bitcast ref: there the same view
-        # is built as a value (pltpu.bitcast, reshape) and each strided load is a dynamic
-        # slice taken every ``stride`` rows, from the same start and stride
-        # (tests/test_kernel_interpret.py runs it; tests/test_kernel_deviceless.py checks
-        # the compiled path's Mosaic ops and shapes).
-        word_split = pk == 2 and Dp % LANES == 0
-        buf_rows = kv_buffer_rows(spec.kv_rows)
+            dma.wait_q(qslot)
+            attn.load_q(qslot)
+            attn.init_acc()
+            c0, nc, n0, nn = meta.qblock_steps(info, i)
+            nsteps = nc + nn
 
-        def kv_words(kvslot, x, h):
-            """uint32 (ckv, Dp): word t = (K, V) of head h at row t of chunk x."""
-            if interpret:
-                words = pltpu.bitcast(kv_buf[kvslot].reshape(bkv * buf_rows * pk, Dp), jnp.uint32)
+            def step(k, carry3):
+                kvslot = cnt[_Word.KV_SLOT]
+                last_step = k + 1 >= nsteps
 
-                def strided(rows, start, stride):
-                    span = jax.lax.dynamic_slice_in_dim(rows, start, (ckv - 1) * stride + 1, axis=0)
-                    return span[::stride]
-            else:
-                words = kv_buf.at[kvslot].reshape(bkv * buf_rows * pk, Dp).bitcast(jnp.uint32)
-
-                def strided(rows, start, stride):
-                    return rows[pl.ds(start, ckv, stride=stride), :]
-            row0 = x * (ckv * buf_rows) + h      # word row of (K, V) of head h, token 0
-            if Dp == LANES:
-                return strided(words, row0, buf_rows)
-            nt = Dp // LANES                     # word row r, lane tile j -> row r * nt + j
-            tiles = words.reshape(bkv * buf_rows * nt, LANES)
-            return jnp.concatenate([strided(tiles, row0 * nt + j, buf_rows * nt) for j in range(nt)], axis=1)
-
-        def compute_step(info, i, k_step, kvslot, c0, nc, n0):
-            q_start, q_len, kv_len, ctx, _ = info
-            blk = _select_lt(k_step, nc, c0 + k_step, n0 + k_step - nc)
-            base = _select_lt(k_step, nc, blk * bkv, ctx + blk * bkv)   # position of row 0
-            limit = _select_lt(k_step, nc, ctx, kv_len)                 # first invalid position
-            if decode:
-                base, limit = blk * bkv, ctx
-            q_first = ctx + i * bq
-            q_hi = ctx + _min((i + 1) * bq, q_len)                 # one past last valid pos
-            lo_pos = _max(0, q_first - window + 1) if window else 0
-
-            # Decode runs only the chunks that hold visible keys, [x_lo, x_hi), computed
-            # from the step's bounds, so the loop body has no branch.
-            x_hi = _min(n_chunks, _cdiv(_max(0, _min(limit, q_hi) - base), ckv))
-            x_lo = _min(x_hi, _div(_max(0, lo_pos - base), ckv)) if window else 0
-
-            def chunk_keys(x, masked=True):
-                """Positions of chunk x's keys (1, ckv), the position keys must be below
-                (the limit) and which rows (ckv, 1) are (both None when not ``masked``)."""
-                start = base + x * ckv
-                k_pos = start + jax.lax.broadcasted_iota(jnp.int32, (1, ckv), 1)
-                if not masked:
-                    return k_pos, None, None
-                rows = start + jax.lax.broadcasted_iota(jnp.int32, (ckv, 1), 0)
-                return k_pos, limit, rows < limit
-
-            def decode_chunk(x, state, masked=True):
-                """Decode, bf16: chunk x against every head; state = per head (m, l, acc)."""
-                k_pos, key_end, row_ok = chunk_keys(x, masked)
-                # Every head's scores and softmax are issued before any head's PV product.
-                # The MXU hands results back in issue order, so a PV issued right after its
-                # own head's scores leaves the MXU idle through that head's softmax. TPU7x,
-                # 16 x 2K decode, (1, 2048, 1, 1024): PV after the own head's scores 171k
-                # cycles, after the next head's 107k, three heads later 91k, after all
-                # heads 89k (v6e: 146k, 134k, 133k).
-                stats = []
-                for h, (m, l, _) in enumerate(state):
-                    kk, vv = _split_words(kv_words(kvslot, x, h), v_scale, row_ok)
-                    p, alpha, m, l = online_softmax(scores(h, 0, q_first, kk, k_pos, key_end), m, l)
-                    stats.append((p, alpha, m, l, vv))
-                return tuple(
-                    (m, l, _lanes(alpha, Dp) * acc + jnp.dot(p.astype(vv.dtype), vv, preferred_element_type=jnp.float32))
-                    for (p, alpha, m, l, vv), (_, _, acc) in zip(stats, state))
-
-            def chunk(x, carry):
-                k_pos, key_end, row_ok = chunk_keys(x)
-
-                def attend(h, kk, vv):
-                    def qc(y, carry3):
-                        flash_update(h, y, q_first, kk, vv, k_pos, key_end)
-                        return carry3
-
-                    # Up to MAX_UNROLLED_Q_CHUNKS q chunks are unrolled, more are a loop, in
-                    # serving and in analysis alike (the estimate prices the program that
-                    # serves). As a loop the chunks cost far more (a 512-token causal chunk:
-                    # v6e (256, 512, 16, 256) 1.48x unrolled; (128, 512, 32, 256) 1.9x on
-                    # v5e, 3.6x on TPU7x).
-                    _loop(0, n_qchunks, qc, 0, unroll_static=not bs.q_chunk_loop)
-
-                if word_split:
-                    if bs.q_chunk_loop:
-                        def one_head(h, carry2):
-                            kk, vv = _split_words(kv_words(kvslot, x, h), v_scale, row_ok)
-                            attend(h, kk, vv)
-                            return carry2
-
-                        for h in range(Hkv):
-                            one_head(h, 0)
-                        return carry
-                    # The heads' and q chunks' tiles are software-pipelined in program
-                    # order, the PV product of one tile issued after the scores of the
-                    # next, so the MXU has independent work while a tile's softmax runs
-                    # (v6e, (128, 512, 128, 256): 1K causal prefill 125.5k -> 121.1k
-                    # cycles, 512 causal 46.1k -> 44.8k). Holding more tiles' scores
-                    # (as decode does) does not fit: a prefill tile is up to 64 vregs.
-                    pending = None
-                    for h in range(Hkv):
-                        kk, vv = _split_words(kv_words(kvslot, x, h), v_scale, row_ok)
-                        for y in range(n_qchunks):
-                            for r in row_tiles(y):
-                                p, alpha = qk_softmax(h, r, q_first, kk, k_pos, key_end)
-                                if pending is not None:
-                                    pending()
-                                pending = functools.partial(pv_update, h, r, p, alpha, vv)
-                    pending()
-                    return carry
-
-                def head_row(r, carry2):
-                    kv = kv_buf[kvslot, pl.ds(x * pages_per_chunk, pages_per_chunk), :, r]
-                    kv = kv.astype(jnp.float32)
-                    for j in range(heads_per_row):
-                        h = r * heads_per_row + j
-                        if isinstance(h, int) and h >= Hkv:
-                            break
-                        kk, vv = split_kv(kv, j)
-                        vv = jnp.where(row_ok, vv, 0.0)
-                        kk = _bf16_exact(kk)
-                        vv = vv.astype(jnp.bfloat16)
-                        _when_head(h, functools.partial(attend, h, kk, vv))
-                    return carry2
-
-                # Up to four head rows are unrolled, more are a loop, in analysis as in
-                # serving. (Earlier kernels unrolled this loop and the q-chunk loop in
-                # analysis mode only: as loops, libtpu's static profiler on TPU7x could
-                # abort once more than 49 iterations ran ("Cannot schedule FIFO push
-                # instruction when the FIFO is full. FIFO name: kTrf1"). A config that hits
-                # it is recorded as a profiler crash, not priced as another program.)
-                _loop(0, spec.kv_rows, head_row, 0, unroll_static=spec.kv_rows <= 4)
-                return carry
-
-            if decode and word_split:
-                # The chunks wholly below the limit need no key mask and no V-row mask
-                # (their rows are all cached tokens); only the last one can be partial.
-                # The heads' m, l and acc (a few vregs each) are carried through the
-                # chunk loop as values and stored once per step.
-                x_full = _min(x_hi, _max(x_lo, _div(_max(0, limit - base), ckv)))
-                rows = pl.ds(0, G)
-                state = tuple((m_ref[h, rows], l_ref[h, rows], acc_ref[h, rows]) for h in range(Hkv))
-                state = jax.lax.fori_loop(x_lo, x_full, functools.partial(decode_chunk, masked=False), state)
-                state = jax.lax.fori_loop(x_full, x_hi, decode_chunk, state)
-                for h, (m, l, acc) in enumerate(state):
-                    m_ref[h, rows], l_ref[h, rows], acc_ref[h, rows] = m, l, acc
-            elif decode:
-                jax.lax.fori_loop(x_lo, x_hi, chunk, 0)
-            else:
-                # Prefill / mixed: the chunks of a step are unrolled; each runs under a
-                # ``pl.when`` on whether it holds a visible key, so the chunks past the
-                # causal diagonal, past a cached step's valid tokens or before the window
-                # cost nothing (v6e, bq 128 / bkv 512 / ckv 256: a q block after 128
-                # cached tokens 26.1k -> 17.2k cycles, a 512-token causal chunk 54.6k ->
-                # 46.1k, a q block after 4K of context 91.8k -> 89.0k). On TPU7x libtpu's
-                # static profiler aborts on that branch ("Cannot schedule FIFO push ...
-                # FIFO name: kErf", at a vexp2), as on a loop over the live range, so
-                # there every chunk is computed, masked (``TpuGeneration.skip_dead_chunks``).
-                for x in range(n_chunks):
-                    if not spec.skip_dead_chunks:
-                        chunk(x, 0)
-                        continue
-                    # a chunk is live when it holds a position below both the step's
-                    # limit and the q block's last position (and, windowed, above the
-                    # window's start)
-                    live = base + x * ckv < _min(limit, q_hi)
-                    if window:
-                        live = jnp.logical_and(live, base + (x + 1) * ckv > lo_pos)
-                    pl.when(live)(functools.partial(_run_chunk, chunk, x))
-
-        def _when_head(h, fn):
-            if isinstance(h, int) or Hkv % heads_per_row == 0:
-                fn()
-            else:
-                pl.when(h < Hkv)(fn)
-
-        def decode_new_token(qslot, nslot):
-            """Decode: attend to the sequence's own new token (not in the cache reads)."""
-            row = nkv_buf[nslot, 0].astype(jnp.float32)         # (kv_rows, pk, Dp)
-            for h in range(Hkv):
-                r, j = divmod(2 * h, pk)
-                kk = row[r, j:j + 1, :]                          # (1, Dp)
-                vv = row[r, j + 1:j + 2, :]
-                if v_scale is not None:
-                    vv = vv * v_scale
-                q = qh_ref[h, pl.ds(0, G)].astype(jnp.float32)
-                s = jnp.sum(q * kk, axis=1, keepdims=True)                   # (G, 1), scaled
-                if spec.soft_cap is not None:
-                    s = spec.soft_cap * jnp.tanh(s / spec.soft_cap)
-                g = pl.ds(0, G)
-                m_prev = m_ref[h, g]
-                m_new = jnp.maximum(m_prev, s)                   # (G, 128)
-                p = _exp(s - m_new)
-                alpha = _exp(m_prev - m_new)
-                l_ref[h, g] = alpha * l_ref[h, g] + p
-                m_ref[h, g] = m_new
-                acc_ref[h, g] = _lanes(alpha, Dp) * acc_ref[h, g] + _lanes(p, Dp) * vv
-
-        def finalize(oslot):
-            for h in range(Hkv):
-                out = acc_ref[h] * (1.0 / l_ref[h][:, :1])          # (bq * G, Dp)
-                o_buf[oslot, :, h] = out.reshape(bq, G, Dp).astype(o_buf.dtype)
-
-        # ---------------------------------------------------------- pipeline
-        def run_case(seg_lo, seg_hi):
-            """Every sequence of the case through one pipeline: a loop over the sequences,
-            a loop over each one's q blocks. Analysis mode (static bounds) loops over each
-            run of like sequences (same q and KV length) instead, each run's metadata in
-            closed form (see ``kv_len_of``): the same bodies and cross-sequence prefetch,
-            every SMEM address and trip count known to the profiler."""
-            def run():
-                fetch_q(seg_lo, 0, 0)
-                fetch_kv(seg_lo, 0, 0, 0)
-                for w in (_Word.Q_SLOT, _Word.KV_SLOT, _Word.O_SLOT, _Word.O_PENDING):
-                    cnt_ref[w] = 0
-
-                def seq_body(s, carry):
-                    info = seq_info(s)
-                    q_start, q_len, kv_len, ctx, nq = info
-                    cache_update(s, info, do_wait=False)
-
-                    def qblock(i, carry2):
-                        nxt_s = _select_lt(i + 1, nq, s, s + 1)       # last_q ? s + 1 : s
-                        nxt_i = _select_lt(i + 1, nq, i + 1, 0)       # last_q ? 0 : i + 1
-                        has_next = nxt_s < seg_hi
-                        qslot = cnt_ref[_Word.Q_SLOT]
-
-                        @pl.when(has_next)
-                        def _():
-                            fetch_q(nxt_s, nxt_i, 1 - qslot)
-
-                        wait_q(qslot)
-                        load_q(qslot)
-                        init_acc()
-                        c0, nc, n0, nn = qblock_steps(info, i)
-                        nsteps = nc + nn
-
-                        def step(k, carry3):
-                            kvslot = cnt_ref[_Word.KV_SLOT]
-                            last_step = k + 1 >= nsteps
-
-                            @pl.when(jnp.logical_not(last_step))
-                            def _():
-                                fetch_kv(s, i, k + 1, 1 - kvslot)
-
-                            @pl.when(jnp.logical_and(last_step, has_next))
-                            def _():
-                                fetch_kv(nxt_s, nxt_i, 0, 1 - kvslot)
-
-                            wait_kv(kvslot)
-                            compute_step(info, i, k, kvslot, c0, nc, n0)
-                            cnt_ref[_Word.KV_SLOT] = 1 - kvslot
-                            return carry3
-
-                        jax.lax.fori_loop(0, nsteps, step, 0)
-                        if decode:
-                            decode_new_token(qslot, qslot)
-                        oslot = cnt_ref[_Word.O_SLOT]
-                        finalize(oslot)
-
-                        @pl.when(cnt_ref[_Word.O_PENDING] == 1)
-                        def _():
-                            o_copy(0, 0, 1 - oslot).wait()
-
-                        o_copy(q_start, i, oslot).start()
-                        cnt_ref[_Word.O_PENDING] = 1
-                        cnt_ref[_Word.O_SLOT] = 1 - oslot
-                        cnt_ref[_Word.Q_SLOT] = 1 - qslot
-                        return carry2
-
-                    _loop(0, nq, qblock, 0, unroll_static=True)     # static: decode's 1
-                    cache_update(s, info, do_wait=True)
-                    return carry
-
-                if not analysis:
-                    jax.lax.fori_loop(seg_lo, seg_hi, seq_body, 0)
-                else:
-                    for r0, r1 in _like_runs(seg_lo, seg_hi, kv_lens_c, cu_c):
-                        run_of[0] = (r0, r1)
-                        if r1 - r0 == 1:
-                            seq_body(r0, 0)
-                        else:
-                            jax.lax.fori_loop(r0, r1, seq_body, 0)
-
-                @pl.when(cnt_ref[_Word.O_PENDING] == 1)
+                @pl.when(jnp.logical_not(last_step))
                 def _():
-                    o_copy(0, 0, 1 - cnt_ref[_Word.O_SLOT]).wait()
+                    dma.fetch_kv(s, i, k + 1, 1 - kvslot)
 
-            _when(seg_lo < seg_hi, run)
+                @pl.when(jnp.logical_and(last_step, has_next))
+                def _():
+                    dma.fetch_kv(nxt_s, nxt_i, 0, 1 - kvslot)
 
-        run_case(*seq_range)
+                dma.wait_kv(kvslot)
+                attn.compute_step(info, i, k, kvslot, c0, nc, n0)
+                cnt[_Word.KV_SLOT] = 1 - kvslot
+                return carry3
+
+            jax.lax.fori_loop(0, nsteps, step, 0)
+            if g.decode:
+                attn.decode_new_token(qslot)
+            oslot = cnt[_Word.O_SLOT]
+            attn.finalize(oslot)
+
+            @pl.when(cnt[_Word.O_PENDING] == 1)
+            def _():
+                dma.o_block(0, 0, 1 - oslot).wait()
+
+            dma.o_block(q_start, i, oslot).start()
+            cnt[_Word.O_PENDING] = 1
+            cnt[_Word.O_SLOT] = 1 - oslot
+            cnt[_Word.Q_SLOT] = 1 - qslot
+            return carry2
+
+        _loop(0, nq, qblock, 0, unroll_static=True)     # static: decode's 1
+        dma.cache_update(s, info, do_wait=True)
+        return carry
+
+    def run():
+        dma.fetch_q(seg_lo, 0, 0)
+        dma.fetch_kv(seg_lo, 0, 0, 0)
+        for w in (_Word.Q_SLOT, _Word.KV_SLOT, _Word.O_SLOT, _Word.O_PENDING):
+            cnt[w] = 0
+        if not meta.analysis:
+            jax.lax.fori_loop(seg_lo, seg_hi, seq_body, 0)
+        else:
+            for r0, r1 in _like_runs(seg_lo, seg_hi, meta.kv_lens_c, meta.cu_c):
+                meta.run = (r0, r1)
+                if r1 - r0 == 1:
+                    seq_body(r0, 0)
+                else:
+                    jax.lax.fori_loop(r0, r1, seq_body, 0)
+
+        @pl.when(cnt[_Word.O_PENDING] == 1)
+        def _():
+            dma.o_block(0, 0, 1 - cnt[_Word.O_SLOT]).wait()
+
+    _when(seg_lo < seg_hi, run)
+
+
+def _make_kernel(spec: KernelSpec, interpret: bool = False):
+    g = _Geometry.of(spec)
+
+    def kernel(*refs):
+        refs = _Refs(*refs)
+        meta = _Metadata(g, refs)
+        _pipeline(g, meta, _Dmas(g, refs, meta), _Attention(g, refs, interpret), refs.cnt)
 
     return kernel
 
