@@ -110,13 +110,28 @@ def _load_cache() -> dict:
 _CACHE: dict = {}
 
 
+def _cached(key: str) -> dict | None:
+    """The recorded piece under ``key``, reloading the file first (another run may have
+    measured it meanwhile)."""
+    if key not in _CACHE:
+        _CACHE.update(_load_cache())
+    return _CACHE.get(key)
+
+
+def _record(rec: dict) -> None:
+    """Keep ``rec`` and append it to the results file."""
+    _CACHE[rec["key"]] = rec
+    os.makedirs(os.path.dirname(CACHE), exist_ok=True)
+    with open(CACHE, "a") as f:
+        f.write(json.dumps(rec) + "\n")
+
+
 def piece(kernel: str, gen: str, case: Case, bs: BlockSizes, page: int, q_lens, kv_lens) -> dict:
     """One whole compile of one kernel on one workload: cycles and the audit of its trace."""
     key = _key(kernel, gen, case, bs, page, q_lens, kv_lens)
-    if key not in _CACHE:
-        _CACHE.update(_load_cache())     # another run may have measured it meanwhile
-    if key in _CACHE and not (_CACHE[key]["status"] == "vmem_oom" and not _CACHE[key].get("retried")):
-        return _CACHE[key]
+    old = _cached(key)
+    if old and not (old["status"] == "vmem_oom" and not old.get("retried")):
+        return old
     w = Workload.of_case(case, list(q_lens), list(kv_lens))
     req = dict(workload=dict(q_lens=list(w.q_lens), kv_lens=list(w.kv_lens), distribution=list(w.distribution)),
                block_sizes=list(bs), tpu=gen, model=dataclasses.asdict(MODEL),
@@ -147,10 +162,7 @@ def piece(kernel: str, gen: str, case: Case, bs: BlockSizes, page: int, q_lens, 
         rec["audit"] = a.to_json()
     if r.get("environment"):        # e.g. a full disk: the machine's failure, not recorded
         raise SystemExit(f"vs_public: {r['message'][:300]}")
-    _CACHE[key] = rec
-    os.makedirs(os.path.dirname(CACHE), exist_ok=True)
-    with open(CACHE, "a") as f:
-        f.write(json.dumps(rec) + "\n")
+    _record(rec)
     print(f"  {kernel:6s} {gen:5s} {case.value:7s} {tuple(bs)} page {page} q={_short(q_lens)} kv={_short(kv_lens)}:"
           f" {rec['status']} {rec['cycles'] or ''} ({rec['wall_s']:.0f} s, "
           f"{(rec['max_rss_bytes'] or 0) / 2**30:.1f} GB)", flush=True)
@@ -163,10 +175,9 @@ def composed_piece(gen: str, case: Case, bs: BlockSizes, page: int, q_lens, kv_l
     XLA puts the whole sequence's operands in VMEM beside the kernel's scratch, while the
     probes fit). The public kernel has no such rule: its step plan is not ours."""
     key = json.dumps(["ours-composed", kernel_hash(), gen, case.value, list(bs), page, list(q_lens), list(kv_lens)])
-    if key not in _CACHE:
-        _CACHE.update(_load_cache())
-    if key in _CACHE:
-        return _CACHE[key]
+    old = _cached(key)
+    if old:
+        return old
     t0 = time.time()
     pr = compose.probe_config(builder=compose.OURS, case=case, bs=bs, tpu=gen, model=dataclasses.asdict(MODEL),
                               limits=dataclasses.asdict(limits(page)), timeout=1800)
@@ -178,9 +189,7 @@ def composed_piece(gen: str, case: Case, bs: BlockSizes, page: int, q_lens, kv_l
         w = Workload.of_case(case, list(q_lens), list(kv_lens))
         rec["cycles"] = int(round(compose.model_from_json(pr["model"]).cycles(w)))
         rec["audit"] = dict(verdict=pr["audit"], reasons=list(pr.get("reasons") or []))
-    _CACHE[key] = rec
-    with open(CACHE, "a") as f:
-        f.write(json.dumps(rec) + "\n")
+    _record(rec)
     print(f"  ours   {gen:5s} {case.value:7s} {tuple(bs)} page {page} q={_short(q_lens)} kv={_short(kv_lens)}:"
           f" composed from probes: {rec['status']} {rec['cycles'] or ''} ({rec['wall_s']:.0f} s)", flush=True)
     return rec
