@@ -8,6 +8,10 @@ The full compiles are what the composition replaces: they are slow and memory-hu
 the workloads are kept to at most 16 decode sequences / one 1K prefill chunk.
 
     python benchmarks/compose_check.py --tpu v6e --tpu tpu7x --tpu v5e [--out FILE]
+    python benchmarks/compose_check.py --kernel tpu-inference --tpu v6e --case decode
+
+``--kernel tpu-inference`` checks the same composition for the public RPA v3 kernel (its
+lowering, ``rpa_tune.estimator.public``; its records keyed by the package version).
 
 Full compiles and probe cycles are recorded in ``benchmarks/results/compose_check.jsonl``,
 keyed by the kernel's source hash (a rerun resumes; a kernel edit re-measures).
@@ -92,11 +96,18 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--case", action="append", choices=[c.value for c in Case], default=None,
                     help="only these cases (repeatable; default all)")
+    ap.add_argument("--kernel", choices=["rpa-tune", "tpu-inference"], default="rpa-tune",
+                    help="whose composition to check (default ours)")
     ap.add_argument("--recorded", action="store_true",
                     help="no compile: the table from the recorded probes and whole compiles (per generation "
                          "and case, the newest kernel version recorded with today's probes), refitted "
                          "with today's composition")
     args = ap.parse_args()
+    from rpa_tune.kernels import get_kernel
+    kern = get_kernel(args.kernel)
+    builder = kern.builder
+    if not kern.is_ours and args.recorded:
+        raise SystemExit("compose_check: --recorded refits our kernel's records only")
     lines = ["| gen | workload | config | full (cycles) | composed | error | full compile | max RSS |",
              "|---|---|---|---:|---:|---:|---:|---:|"]
     cache = {}
@@ -113,7 +124,7 @@ def main() -> None:
                 continue
             if case not in hashes:
                 found = recorded(cache, gen, case) if args.recorded else None
-                hashes[case] = found[0] if found else kernel_hash()
+                hashes[case] = found[0] if found else (kernel_hash() if kern.is_ours else kern.version())
                 if args.recorded:
                     print(f"{gen} {case.value}: recorded measurements of kernel source hash "
                           f"{hashes[case] if found else '(none with today probes)'}", flush=True)
@@ -125,8 +136,8 @@ def main() -> None:
                     compose.Probe(tuple(p["q_lens"]), tuple(p["kv_lens"])) for p in rec["probes"]],
                     [p["cycles"] for p in rec["probes"]], skip_dead_chunks=recorded_skip(rec))
             if case not in models:
-                pr = compose.probe_config(builder=compose.OURS, case=case, bs=bs, tpu=gen,
-                                          model=dataclasses.asdict(MODEL), limits=dataclasses.asdict(limits))
+                pr = compose.probe_config(builder=builder, writes_kv_cache=kern.writes_kv_cache, case=case, bs=bs,
+                                          tpu=gen, model=dataclasses.asdict(MODEL), limits=dataclasses.asdict(limits))
                 if pr.get("environment"):     # e.g. a full disk or an edited kernel: not recorded
                     raise SystemExit(f"compose_check: {pr['message'][:300]}")
                 if pr["status"] != "ok":
@@ -152,8 +163,8 @@ def main() -> None:
                 continue
             if r is None:
                 t0 = time.time()
-                r = profiler.profile(compose.OURS, req, timeout=1800, rss_cap=16 << 30,
-                                     bundles=False, expect_kernel_hash=kh)
+                r = profiler.profile(builder, req, timeout=1800, rss_cap=16 << 30,
+                                     bundles=False, expect_kernel_hash=kh if kern.is_ours else None)
                 if r.get("environment"):     # e.g. a full disk: not the workload's result
                     raise SystemExit(f"compose_check: {r['message'][:300]}")
                 r = dict(key=key, status=r["status"], cycles=r.get("cycles"), wall_s=time.time() - t0,

@@ -1,6 +1,6 @@
 """``rpa-tune``: find the block sizes of the Ragged Paged Attention kernel.
 
-Commands: ``sweep`` (tune), ``show`` (winners), ``verify`` (check winners in interpret
+Commands: ``sweep`` (tune), ``show`` (winners), ``compare`` (our kernel vs tpu-inference's), ``verify`` (check winners in interpret
 mode), ``doctor`` (what works on this machine); ``export``, ``diff`` and ``precompile`` in
 ``cli_tables``. Bad input exits with code 2 and a one-line message before anything is
 written (``cli_common``).
@@ -13,7 +13,7 @@ from typing import Optional
 
 import typer
 
-from .cli_common import (BackendChoice, GENERATION_NAMES, HeadDim, JsonFlag, KvDtypeOpt, KvHeads, MaxModelLen,
+from .cli_common import (BackendChoice, GENERATION_NAMES, HeadDim, JsonFlag, KernelOpt, KvDtypeOpt, KvHeads, MaxModelLen,
                          MaxNumSeqs, MaxNumTokens, Model, OptionalTpu, PageSize, QDtypeOpt, QHeads, ResultBackend,
                          RpaTuneGroup, SearchChoice, Status, SweepCase, CaseChoice, Tpu, UsageError, fail,
                          parse_int_list, resolve_limits, resolve_model, value)
@@ -51,6 +51,7 @@ def _resolve_backend(backend: str, generation: str) -> tuple[str, str]:
 @app.command()
 def sweep(
     tpu: Tpu,
+    kernel: KernelOpt = "rpa-tune",
     case: SweepCase = typer.Option(SweepCase.decode, "--case", case_sensitive=False,
                                    help="Kernel case to tune; all: one sweep per case."),
     model: Model = "llama3-8b",
@@ -118,7 +119,8 @@ def sweep(
             max_num_seqs=max_num_seqs, max_model_len=max_model_len, workload=workload, num_seqs=num_seqs,
             context=context, chunk=chunk, num_chunks=num_chunks, seed=seed, backend=value(backend),
             search=value(search), budget=budget, patience=patience, jobs=jobs, timeout=timeout, results=results,
-            space=space, retry=[value(r) for r in retry], dry_run=dry_run, sliding_window=sliding_window)
+            space=space, retry=[value(r) for r in retry], dry_run=dry_run, sliding_window=sliding_window,
+            kernel=value(kernel))
     except UsageError as e:
         fail(str(e))
     from . import ui
@@ -149,11 +151,20 @@ def sweep(
 def _build_specs(*, tpu, case, model, q_heads, kv_heads, head_dim, dtype, kv_dtype, page_size, max_num_tokens,
                  max_num_seqs, max_model_len, workload, num_seqs, context, chunk, num_chunks, seed, backend,
                  search, budget, patience, jobs, timeout, results, space, retry, dry_run, buckets=None,
-                 sliding_window=None):
+                 sliding_window=None, kernel="rpa-tune"):
     """Validate every input and build one SweepSpec per bucket x case (no side effects)."""
     from kernel.config import Case
+    from .kernels import KernelError, get_kernel
     if results.exists() and not results.is_dir():
         raise UsageError(f"--results {str(results)!r} exists and is not a directory")
+    try:
+        kern = get_kernel(kernel)
+        kern.check_available()
+    except KernelError as e:
+        raise UsageError(f"--kernel {kernel}: {e}") from None
+    if backend == "interpret" and not kern.interpretable:
+        from .evaluators.interpret import INTERPRET_UNSUPPORTED
+        raise UsageError("--backend interpret: " + INTERPRET_UNSUPPORTED.format(kern.name))
     m, model_label = resolve_model(model, q_heads, kv_heads, head_dim, dtype, kv_dtype)
     if sliding_window is not None and sliding_window >= max_model_len:
         raise UsageError(f"--sliding-window {sliding_window} is not below --max-model-len {max_model_len}: "
@@ -193,14 +204,14 @@ def _build_specs(*, tpu, case, model, q_heads, kv_heads, head_dim, dtype, kv_dty
                              workload_desc=f"{describe(w)}{window} [{origin}]", case_space=cs, backend=be,
                              search=search, budget=budget, seed=seed, jobs=jobs, timeout=timeout,
                              patience=patience, retry=tuple(retry), model_label=model_label,
-                             sliding_window=sliding_window)
+                             sliding_window=sliding_window, kernel=kern.name)
             try:
                 plan = plan_sweep(spec)
             except SpaceError as e:
                 raise UsageError(str(e)) from None
             if not plan.candidates or plan.total == plan.illegal + plan.capped:
                 why = "; ".join(f"{n} x {r}" for r, n in sorted(plan.reasons.items(), key=lambda x: -x[1])[:3])
-                raise UsageError(f"{sp.source}: no legal candidate for {key.id()} ({plan.total} in the space: "
+                raise UsageError(f"{sp.source}: no legal candidate for {spec.key_id} ({plan.total} in the space: "
                                  f"{plan.illegal} illegal, {plan.capped} over a size cap, {plan.prefiltered} "
                                  f"rejected by the VMEM pre-filter" + (f"; {why}" if why else "") + ")")
             specs.append(spec)
@@ -235,6 +246,34 @@ def show(
     if not groups:
         fail(f"no matching results in {str(results)!r}", code=1)
     ui.print_winners(groups, top=top)
+
+
+# ========================================================================== compare
+@app.command()
+def compare(
+    results: Path = typer.Option(Path("results"), "--results", help="Results directory to read."),
+    tpu: OptionalTpu = None,
+    case: Optional[CaseChoice] = typer.Option(None, "--case", case_sensitive=False,
+                                              help="Only this case. Default: all."),
+    backend: Optional[ResultBackend] = typer.Option(None, "--backend", case_sensitive=False,
+                                                    help="Only results of this backend. Default: tpu and compile."),
+    json_out: JsonFlag = False,
+):
+    """This project's kernel against tpu-inference's RPA v3, per key tuned for both: each at
+    its best, the same workload and method, and the ratio."""
+    if not results.is_dir():
+        fail(f"no results directory {str(results)!r} (run `rpa-tune sweep` first or pass --results DIR)")
+    from . import ui
+    from .report import compare_kernels
+    from .store import ResultStore
+    rows = compare_kernels(ResultStore(results).read(), tpu=tpu, case=value(case), backend=value(backend))
+    if json_out:
+        ui.print_json([ui.comparison_dict(c) for c in rows])
+    elif rows:
+        ui.print_comparison(rows)
+    if not rows:
+        fail(f"no key in {str(results)!r} is tuned for both kernels (sweep the same key with --kernel rpa-tune "
+             "and --kernel tpu-inference)", code=1)
 
 
 # =========================================================================== verify

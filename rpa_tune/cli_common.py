@@ -20,6 +20,7 @@ except ImportError:  # pragma: no cover - Typer with Click as a dependency
     from click.exceptions import ClickException
 
 from kernel.config import GENERATIONS, Case, get_generation
+from kernel.tables.schema import KERNEL_NAMES
 from kernel.validate import SUPPORTED_HEAD_DIMS, SUPPORTED_KV_DTYPES, SUPPORTED_Q_DTYPES
 
 from .evaluators.base import BACKENDS, STATUSES
@@ -121,6 +122,12 @@ SearchChoice = _choices("SearchChoice", SEARCHES)
 Status = _choices("Status", STATUSES)
 QDtype = _choices("QDtype", SUPPORTED_Q_DTYPES)
 KvDtype = _choices("KvDtype", SUPPORTED_KV_DTYPES)
+KernelChoice = _choices("KernelChoice", KERNEL_NAMES)
+ExportFormat = _choices("ExportFormat", ["tables", "vllm-env", "sglang"])
+KernelOpt = Annotated[KernelChoice, typer.Option(
+    "--kernel", case_sensitive=False,
+    help="The kernel to tune: rpa-tune (this project's) or tpu-inference (the public RPA v3 that vLLM-TPU and "
+         "SGLang-JAX run; pip package tpu-inference, installed by scripts/setup.sh).")]
 
 
 def value(v):

@@ -15,9 +15,10 @@ from typing import List, Optional
 import typer
 from rich.table import Table as RichTable
 
-from .cli_common import (GENERATION_NAMES, TPU_METAVAR, HeadDim, JsonFlag, KvDtypeOpt, KvHeads, MaxModelLen,
+from .cli_common import (GENERATION_NAMES, TPU_METAVAR, ExportFormat, HeadDim, JsonFlag, KernelChoice, KvDtypeOpt, KvHeads, MaxModelLen,
                          MaxNumSeqs, MaxNumTokens, Model, OptionalTpu, PageSize, QDtypeOpt, QHeads, SlidingWindow,
-                         UsageError, fail, parse_cases, parse_int_list, parse_tpu, resolve_limits, resolve_model)
+                         UsageError, fail, parse_cases, parse_int_list, parse_tpu, resolve_limits, resolve_model,
+                         value)
 from .ui import _console
 
 console = _console()
@@ -57,12 +58,23 @@ def _fmt_pct(v) -> str:
 def export_cmd(
     results: List[Path] = typer.Option(..., "--results", "-r", help="Results dataset dir or .parquet file; "
                                        "repeat to merge several sweeps / machines."),
-    out: Path = typer.Option(..., "--out", "-o", help="Tables directory (<generation>.json + .parquet); an "
-                             "existing table there is merged with the results (see --replace).",
-                             show_default=False),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="--format tables: the tables directory "
+                                       "(<generation>.json + .parquet; tpu-inference's in its tpu-inference/ "
+                                       "subdirectory); an existing table there is merged with the results (see "
+                                       "--replace). vllm-env / sglang: the file to write (default: stdout).",
+                                       show_default=False),
+    fmt: ExportFormat = typer.Option(ExportFormat.tables, "--format", case_sensitive=False,
+                                     help="tables: versioned JSON + Parquet tables (both kernels). vllm-env: "
+                                     "RPA_V3_{DECODE,PREFILL,MIXED}_BLOCK_SIZES lines for vLLM-TPU. sglang: a "
+                                     "Python module in SGLang-JAX's TUNED_BLOCK_SIZES_V3 layout. The last two are "
+                                     "for tpu-inference's kernel."),
+    kernel: Optional[KernelChoice] = typer.Option(None, "--kernel", case_sensitive=False,
+                                                  help="Whose results to export: rpa-tune (default for tables) or "
+                                                  "tpu-inference (default, and the only one, for vllm-env / "
+                                                  "sglang).", show_default=False),
     replace: bool = typer.Option(False, "--replace", help="Write only the entries built from these results, "
                                  "dropping the existing table's other keys (default: keep them; new results "
-                                 "win per key)."),
+                                 "win per key). vllm-env / sglang: overwrite an existing --out file."),
     check: bool = typer.Option(False, "--check", help="Do not write; exit 1 with a diff if the tables in --out "
                                "differ from what would be written (for CI)."),
     generation: List[str] = typer.Option([], "--tpu", parser=parse_tpu, metavar=TPU_METAVAR,
@@ -77,9 +89,25 @@ def export_cmd(
     An existing table in --out is merged: the new results win per key, its other entries are
     kept (--replace drops them); the summary says what was added, changed and kept."""
     from kernel.tables import TableError
-    from rpa_tune.export import build_tables, check_tables, merge_tables, read_results, write_tables
-    if out.exists() and not out.is_dir():
-        fail(f"--out {str(out)!r} exists and is not a directory")
+    from rpa_tune.export import build_tables, check_tables, kernel_dir, merge_tables, read_results, write_tables
+    fmt, kernel = value(fmt), value(kernel)
+    if fmt == "tables":
+        kernel = kernel or "rpa-tune"
+        if out is None:
+            fail("--out is required with --format tables (the tables directory)")
+        if out.exists() and not out.is_dir():
+            fail(f"--out {str(out)!r} exists and is not a directory")
+    else:
+        if kernel not in (None, "tpu-inference"):
+            fail(f"--format {fmt} writes block sizes for tpu-inference's kernel, not --kernel {kernel} "
+                 "(this project's kernel reads its tables and RPA_{D,P,M}_BLOCK_SIZES itself)")
+        kernel = "tpu-inference"
+        if check:
+            fail(f"--check compares tables; it does not apply to --format {fmt}")
+        if out is not None and out.is_dir():
+            fail(f"--out {str(out)!r} is a directory; --format {fmt} writes one file")
+        if out is not None and out.exists() and not replace:
+            fail(f"--out {str(out)!r} exists; pass --replace to overwrite it")
     try:
         with _logger_off("rpa_tune.store"):      # damaged files: reported below, once
             df = read_results(results)
@@ -89,11 +117,17 @@ def export_cmd(
         fail(f"no result rows in {', '.join(map(str, results))}")
     if generation:
         df = df[df["generation"].isin(set(generation))]
-    tables, reports = build_tables(df, workload_ids=tuple(workload_id))
+    tables, reports = build_tables(df, workload_ids=tuple(workload_id), kernel=kernel)
     if not tables:
-        fail(f"no usable result rows for {', '.join(generation) or 'any generation'}"
+        fail(f"no usable {kernel} result rows for {', '.join(generation) or 'any generation'}"
              + (f" and workload {', '.join(workload_id)}" if workload_id else "")
-             + f" in {', '.join(map(str, results))}", code=1)
+             + f" in {', '.join(map(str, results))}"
+             + (" (tune it with `rpa-tune sweep --kernel tpu-inference ...`)" if kernel == "tpu-inference" else ""),
+             code=1)
+    if fmt != "tables":
+        _export_server_format(fmt, tables, out)
+        return
+    out = kernel_dir(out, kernel)
     try:
         merged, merges = merge_tables(tables, out, replace=replace)
     except TableError as e:
@@ -167,6 +201,26 @@ def export_cmd(
         return
     for p in written:
         console.print(f"wrote {p}", soft_wrap=True)
+
+
+def _export_server_format(fmt: str, tables, out: Optional[Path]) -> None:
+    """Write (or print) the vllm-env lines or the SGLang-JAX module of ``tables``."""
+    from . import server_formats
+    if fmt == "vllm-env":
+        text, notes = server_formats.vllm_env(tables), []
+    else:
+        text, notes = server_formats.sglang_module(tables)
+    if out is None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    else:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_name(f".{out.name}.tmp")
+        tmp.write_text(text)
+        tmp.replace(out)
+        err_console.print(f"wrote {out}", soft_wrap=True)
+    for n in notes:
+        err_console.print(f"note: {n}", soft_wrap=True, markup=False, highlight=False)
 
 
 # -------------------------------------------------------------------------------- diff

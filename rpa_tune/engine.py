@@ -26,7 +26,7 @@ import time
 import uuid
 from pathlib import Path
 
-from kernel.config import BlockSizes, Case, TuningKey, block_size_errors
+from kernel.config import BlockSizes, Case, TuningKey
 from kernel.workload import ModelShape, ServingLimits, Workload
 
 from . import prefilter, provenance
@@ -291,6 +291,7 @@ class SweepSpec:
     retry: tuple = ()            # statuses to evaluate again on resume
     model_label: str = ""
     sliding_window: int | None = None   # the window the kernel runs with (key.sliding_window)
+    kernel: str = "rpa-tune"            # the tuned kernel (rpa_tune.kernels)
 
     def __post_init__(self):
         if bool(self.key.sliding_window) != (self.sliding_window is not None):
@@ -299,6 +300,16 @@ class SweepSpec:
     @property
     def generation(self) -> str:
         return self.key.generation
+
+    @property
+    def tuned_kernel(self):
+        from .kernels import get_kernel
+        return get_kernel(self.kernel)
+
+    @property
+    def key_id(self) -> str:
+        from .kernels import key_id
+        return key_id(self.key, self.kernel)
 
     @property
     def case(self) -> Case:
@@ -320,27 +331,31 @@ class Plan:
 
 
 def heuristic_config(spec: SweepSpec) -> BlockSizes | None:
-    """The key's baseline: what the kernel runs for it without a table entry
-    (``kernel.heuristics.heuristic_for_key``; export compares against the same)."""
-    from kernel.heuristics import heuristic_for_key
+    """The key's baseline: what the tuned kernel runs for it without a table entry (ours:
+    ``kernel.heuristics.heuristic_for_key``; the public kernel: its own default; export
+    compares against the same)."""
     try:
-        return heuristic_for_key(spec.key)
+        return spec.tuned_kernel.heuristic(spec.key, max_num_seqs=spec.limits.max_num_seqs)
     except Exception:  # noqa: BLE001 - a baseline is optional
         return None
 
 
 def plan_sweep(spec: SweepSpec) -> Plan:
+    """Legal candidates of the space (the tuned kernel's rules), the baseline first, and
+    (ours only) the VMEM pre-filter: it predicts our kernel's scratch; for the public
+    kernel the compiler alone judges VMEM."""
+    kern = spec.tuned_kernel
     ctx = context(spec.model, spec.limits, spec.generation)
-    en = enumerate_space(spec.case_space, ctx)
+    en = enumerate_space(spec.case_space, ctx, kern.block_size_errors)
     cands = list(en.candidates)
     heur = heuristic_config(spec)
-    if heur is not None and heur not in cands and not block_size_errors(spec.case, heur, spec.limits.page_size):
+    if heur is not None and heur not in cands and not kern.block_size_errors(spec.case, heur, spec.limits.page_size):
         cands.insert(0, heur)    # the baseline is evaluated even when outside the space
     keep, predicted = [], {}
     prefiltered = 0
     for bs in cands:
-        p = prefilter.predicted_bytes(spec.model, spec.limits, bs)
-        if prefilter.rejects(p, spec.generation):
+        p = prefilter.predicted_bytes(spec.model, spec.limits, bs) if kern.is_ours else None
+        if p is not None and prefilter.rejects(p, spec.generation):
             prefiltered += 1
             continue
         keep.append(bs)
@@ -384,12 +399,17 @@ def run_sweep(spec: SweepSpec, store: ResultStore, *, events: Events | None = No
                          first=plan.heuristic, patience=spec.patience, jobs=spec.jobs)
     outcome.search_note = search.fallback
     total = min(spec.budget, len(plan.candidates))
+    kern = spec.tuned_kernel
     prov = provenance.provenance()
+    kversion = kern.config_version()
+    if not kern.is_ours:       # the public kernel's rows record its version, not our kernel's hashes
+        prov = dict(prov, kernel_hash=kversion, kernel_source_hash=None)
+    prov["kernel"], prov["kernel_version"] = kern.name, kern.version()
     ev_version = evaluator_version(spec.backend)
     wid = workload_id(spec.workload)
     if spec.sliding_window is not None:   # another window is another problem (full attention keeps its ids)
         wid = f"{wid}-sw{spec.sliding_window}"
-    key_id = spec.key.id()
+    key_id = spec.key_id
     recorded = store.recorded()
     sweep_id = uuid.uuid4().hex[:12]
     events.start(spec, plan, total)
@@ -397,7 +417,7 @@ def run_sweep(spec: SweepSpec, store: ResultStore, *, events: Events | None = No
     exhausted = False
 
     def cid(bs):
-        return config_id(key_id, wid, bs, spec.backend, prov["kernel_hash"], ev_version)
+        return config_id(key_id, wid, bs, spec.backend, kversion, ev_version)
 
     def note(row):
         outcome.counts[row["status"]] = outcome.counts.get(row["status"], 0) + 1
@@ -428,7 +448,8 @@ def run_sweep(spec: SweepSpec, store: ResultStore, *, events: Events | None = No
                 task = Task(backend=spec.backend, generation=spec.generation, case=spec.case.value,
                             model=spec.model, limits=spec.limits, workload=spec.workload, bs=bs,
                             timeout=float(spec.timeout), seed=spec.seed,
-                            vmem_predicted_bytes=plan.predicted.get(bs), sliding_window=spec.sliding_window)
+                            vmem_predicted_bytes=plan.predicted.get(bs), sliding_window=spec.sliding_window,
+                            kernel=kern.name)
                 pool.submit(task, bs)
                 events.dispatched(bs)
             if pool.busy == 0:
@@ -465,10 +486,11 @@ def make_row(key: TuningKey, limits: ServingLimits, workload: Workload, workload
              res: EvalResult, *, backend: str, search: str, seed: int, eval_s: float, prov: dict, config: str,
              wid: str, ev_version: str, sweep_id: str, heuristic: bool, predicted: int | None) -> dict:
     """One store row (``store.SCHEMA``) for one evaluation."""
+    from .kernels import key_id
     w = workload
     r = dict(key.as_dict())
     r.update(
-        key_id=key.id(), max_num_seqs=limits.max_num_seqs,
+        key_id=key_id(key, prov.get("kernel")), max_num_seqs=limits.max_num_seqs,
         workload_id=wid, workload=workload_desc,
         workload_json=json.dumps({"q_lens": w.q_lens, "kv_lens": w.kv_lens, "distribution": w.distribution}),
         num_seqs=w.num_seqs, num_tokens=w.num_tokens,
@@ -483,7 +505,7 @@ def make_row(key: TuningKey, limits: ServingLimits, workload: Workload, workload
         evaluator_version=ev_version, device_kind=res.device_kind,
         timestamp=_dt.datetime.now(_dt.timezone.utc), sweep_id=sweep_id, config_id=config)
     for k in ("jax_version", "jaxlib_version", "libtpu_version", "rpa_tune_version", "kernel_hash",
-              "kernel_source_hash", "git_sha"):
+              "kernel_source_hash", "git_sha", "kernel", "kernel_version"):
         r[k] = prov.get(k)
     if r["status"] != base.OK or r["audit"] == "incomplete":
         # only ok rows carry a metric: nothing else can win. An estimate whose audit is

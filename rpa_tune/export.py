@@ -58,7 +58,7 @@ REQUIRED_COLUMNS = KEY_COLUMNS + ("bq", "bkv", "cq", "ckv", "status", "metric", 
 OPTIONAL_COLUMNS = ("unit", "samples", "spread", "cycles", "compile_s", "backend", "search", "seed",
                     "jax_version", "jaxlib_version", "libtpu_version", "device_kind", "kernel_hash",
                     "git_sha", "timestamp", "config_id", "workload_id", "key_id", "kernel_source_hash",
-                    "vmem_limit_bytes", "is_heuristic", "workload")
+                    "vmem_limit_bytes", "is_heuristic", "workload", "kernel", "kernel_version")
 
 
 # ----------------------------------------------------------------------------- reading
@@ -149,10 +149,22 @@ class KeyReport:
     workload: str = ""           # description of the workload used
 
 
-def heuristic_for(key: TuningKey) -> BlockSizes:
-    """The key's baseline (``kernel.heuristics.heuristic_for_key``, as the sweep evaluated it)."""
-    from kernel.heuristics import heuristic_for_key
-    return heuristic_for_key(key)
+def heuristic_for(key: TuningKey, kernel: str = "rpa-tune") -> BlockSizes | None:
+    """The key's baseline, as the sweep evaluated it (ours: ``kernel.heuristics.heuristic_for_key``;
+    the public kernel: its own default, ``rpa_tune.kernels``)."""
+    from .kernels import get_kernel
+    return get_kernel(kernel).heuristic(key)
+
+
+def row_kernel(r) -> str:
+    """The kernel of a results row (rows written before there were two are ours)."""
+    return _str(r.get("kernel")) or "rpa-tune"
+
+
+def kernel_dir(out_dir, kernel: str) -> Path:
+    """Where ``kernel``'s tables live under a tables directory: ours at its top, the public
+    kernel's in ``tpu-inference/`` (so our kernel's loader never meets them)."""
+    return Path(out_dir) if kernel == "rpa-tune" else Path(out_dir) / kernel
 
 
 def _row_key(r) -> TuningKey:
@@ -192,7 +204,7 @@ def _margin(method: str, best: ConfigStats, heur: ConfigStats | None) -> float:
     return max(MEASURED_MIN_GAIN, MEASURED_SPREAD_FACTOR * max(rel + [0.0]))
 
 
-def select_key(key: TuningKey, rows: list[dict]) -> KeyReport:
+def select_key(key: TuningKey, rows: list[dict], kernel: str = "rpa-tune") -> KeyReport:
     """The table entry for one key from its result rows (see the module docstring)."""
     disq: dict[BlockSizes, str] = {}
     for r in rows:
@@ -226,7 +238,7 @@ def select_key(key: TuningKey, rows: list[dict]) -> KeyReport:
                                     f"({', '.join(sorted(set(disq.values())))})")
     best = min(cands.values(), key=lambda s: (s.metric, tuple(s.bs)))
     try:
-        hbs = heuristic_for(key)
+        hbs = heuristic_for(key, kernel)
     except Exception:  # noqa: BLE001 - a key the heuristic cannot handle has no baseline
         hbs = None
     heur = stats.get(hbs) if hbs is not None else None
@@ -272,7 +284,9 @@ def select_key(key: TuningKey, rows: list[dict]) -> KeyReport:
     prov["seed"] = _int(rep.get("seed"))
     prov["budget"] = len(all_key_configs)
     spread = float(best.spread)
-    vmem_limit = _entry_vmem_limit(key, best.bs, _int(rep.get("vmem_limit_bytes")))
+    # the public kernel's limit is its own default at serving time (the estimate used half
+    # of VMEM deviceless, rpa_tune.estimator.public): none is recorded
+    vmem_limit = _entry_vmem_limit(key, best.bs, _int(rep.get("vmem_limit_bytes"))) if kernel == "rpa-tune" else None
     entry = Entry(key=key, block_sizes=best.bs, promoted=promoted, decision=decision,
                   metric=float(best.metric), unit=_str(rep.get("unit")) or "s", method=method,
                   heuristic_block_sizes=hbs, heuristic_metric=heur_metric, gain=gain,
@@ -295,14 +309,14 @@ def _entry_vmem_limit(key: TuningKey, bs: BlockSizes, evaluated: int | None) -> 
     return None if evaluated == default else int(evaluated)
 
 
-def build_tables(df, *, workload_ids=()) -> tuple[dict[str, Table], list[KeyReport]]:
-    """Tables per generation from a results DataFrame, and a report per key.
+def build_tables(df, *, workload_ids=(), kernel: str = "rpa-tune") -> tuple[dict[str, Table], list[KeyReport]]:
+    """Tables per generation of ``kernel`` from a results DataFrame, and a report per key.
 
     ``workload_ids``: only rows whose ``workload_id`` starts with one of them (a key tuned on
     several workloads otherwise uses the newest, and its report lists the others)."""
     by_key: dict[TuningKey, list] = {}
     bad = 0
-    records = df.to_dict("records")
+    records = [r for r in df.to_dict("records") if row_kernel(r) == kernel]
     if workload_ids:
         records = [r for r in records if any(str(r.get("workload_id") or "").startswith(w) for w in workload_ids)]
     for r in records:
@@ -313,19 +327,25 @@ def build_tables(df, *, workload_ids=()) -> tuple[dict[str, Table], list[KeyRepo
             bad += 1
             continue
         by_key.setdefault(k, []).append(r)
-    reports = [select_key(k, rows) for k, rows in sorted(by_key.items())]
+    reports = [select_key(k, rows, kernel) for k, rows in sorted(by_key.items())]
     per_gen: dict[str, list[Entry]] = {}
     for rep in reports:
         if rep.entry is not None:
             per_gen.setdefault(rep.key.generation, []).append(rep.entry)
-    tables = {g: Table(tuple(es), info=table_info(g)) for g, es in sorted(per_gen.items())}
+    versions = sorted({_str(r.get("kernel_version")) or "" for r in records} - {""})
+    tables = {g: Table(tuple(es), info=table_info(g, kernel, versions[-1] if versions else None))
+              for g, es in sorted(per_gen.items())}
     if bad:
         reports.append(KeyReport(None, None, f"{bad} result rows with an invalid key or block sizes skipped"))
     return tables, reports
 
 
-def table_info(generation: str) -> dict:
+def table_info(generation: str, kernel: str = "rpa-tune", kernel_version: str | None = None) -> dict:
+    """A table's ``info``. Our kernel's tables name no kernel (as before there were two);
+    the public kernel's say which, and its version."""
+    who = {} if kernel == "rpa-tune" else {"kernel": kernel, "kernel_version": kernel_version}
     return {
+        **who,
         "generated_by": "rpa-tune export",
         "generation": generation,
         "device_kind": get_generation(generation).device_kind,

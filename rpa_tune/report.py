@@ -34,6 +34,7 @@ class Group:
     rows: list                  # ok rows, best first (wrong configs excluded)
     heuristic: dict | None
     excluded_wrong: int = 0
+    kernel: str = "rpa-tune"    # the tuned kernel (rpa_tune.kernels)
 
     @property
     def best(self) -> dict | None:
@@ -56,7 +57,7 @@ def wrong_configs(df) -> set:
 def winners(df, *, tpu=None, case=None, backend=None, top: int = 1) -> list[Group]:
     if df.empty:
         return []
-    current = provenance.result_inputs_hash()
+    from .kernels import get_kernel
     wrong = wrong_configs(df)
     d = df
     if tpu is not None:
@@ -80,12 +81,15 @@ def winners(df, *, tpu=None, case=None, backend=None, top: int = 1) -> list[Grou
         ok = ok.sort_values(["metric", "bq", "bkv", "cq", "ckv"])
         heur = g[g["is_heuristic"].fillna(False).astype(bool) & (g["status"] == base.OK)]
         first = g.iloc[-1]
+        kern = first.get("kernel")
+        kern = kern if isinstance(kern, str) and kern else "rpa-tune"   # null (older rows): ours
+        current = get_kernel(kern).config_version()
         groups.append(Group(
             key={k: _py(first[k]) for k in KEY_COLUMNS}, key_id=key_id, workload_id=wid,
             workload=str(first["workload"]), backend=be, method=str(first["method"]), kernel_hash=str(latest),
             stale=latest != current, counts={k: int(v) for k, v in counts.items()},
             rows=[_row(r) for _, r in ok.head(top).iterrows()],
-            heuristic=_row(heur.iloc[-1]) if len(heur) else None, excluded_wrong=excluded))
+            heuristic=_row(heur.iloc[-1]) if len(heur) else None, excluded_wrong=excluded, kernel=kern))
     order = {"v4": 0, "v5e": 1, "v5p": 2, "v6e": 3, "tpu7x": 4}
     cases = {"decode": 0, "prefill": 1, "mixed": 2}
     groups.sort(key=lambda g: (order.get(g.key["generation"], 9), cases.get(g.key["case"], 9), g.key_id,
@@ -127,6 +131,8 @@ def verify_winners(store: ResultStore, *, tpu=None, case=None, top: int = 1, job
     recorded = store.recorded()
     todo, out, seen = [], [], set()
     for g in groups:
+        if g.kernel != "rpa-tune":      # the public kernel does not run in the interpreter
+            continue
         for r in g.rows:
             key = TuningKey(**g.key)
             bs = BlockSizes(int(r["bq"]), int(r["bkv"]), int(r["cq"]), int(r["ckv"]))
@@ -209,7 +215,7 @@ def doctor_report(*, tpu: str = "v6e", quick: bool = False) -> dict:
            "kernel": {"kernel_source_hash (tables)": provenance.kernel_source_hash(),
                       "result_inputs_hash (results)": provenance.result_inputs_hash(),
                       "git_sha": provenance.git_sha(), "kernel_dir": str(provenance.KERNEL_DIR)},
-           "tables": table_files()}
+           "tables": table_files(), "kernels": kernels_report()}
     probe = probe_devices()
     here = tpu_generation_present(probe)
     rep["devices"] = probe
@@ -233,6 +239,19 @@ def doctor_report(*, tpu: str = "v6e", quick: bool = False) -> dict:
     rep["backends"] = backends
     rep["auto"] = ("tpu" if here == tpu else "compile") + f" (for --tpu {tpu})"
     return rep
+
+
+def kernels_report() -> dict:
+    """The tunable kernels and whether each can be used here (``rpa_tune.kernels``)."""
+    from .kernels import KERNELS, KernelError
+    out = {}
+    for name, k in KERNELS.items():
+        try:
+            k.check_available()
+            out[name] = f"ok: {k.version()} ({k.doc})"
+        except KernelError as e:
+            out[name] = f"unavailable: {e}"
+    return out
 
 
 def _trial_runs(tpu: str) -> dict:
@@ -267,4 +286,45 @@ def _trial_runs(tpu: str) -> dict:
                                    f"compile backend records such configs as crash ({secs:.0f} s)")
         else:
             out[name] = ("fails", f"{r.status}: {r.message[:300]}")
+    return out
+
+
+# =========================================================================== compare
+@dataclasses.dataclass
+class KernelComparison:
+    """One (key, workload, backend) tuned for both kernels: each one's best, same method."""
+
+    key: dict
+    workload_id: str
+    workload: str
+    backend: str
+    method: str
+    best: dict                  # kernel name -> its best ok row (None if it has none)
+    heuristic: dict             # kernel name -> its baseline's ok row (None if absent)
+
+    @property
+    def ratio(self) -> float | None:
+        """ours / public of the best metrics (< 1: ours is faster)."""
+        a, b = self.best.get("rpa-tune"), self.best.get("tpu-inference")
+        return a["metric"] / b["metric"] if a and b and b.get("metric") else None
+
+
+def compare_kernels(df, *, tpu=None, case=None, backend=None) -> list[KernelComparison]:
+    """Per key, workload and backend tuned for both kernels: the best of each (metrics of
+    the same backend, so the same method: both estimates through the same audited time
+    model, or both device times) and their ratio. Keys tuned for one kernel only are left
+    out. Stale rows (another kernel version) are not compared (``winners`` keeps the latest)."""
+    groups = [g for g in winners(df, tpu=tpu, case=case, backend=backend) if not g.stale]
+    by: dict[tuple, dict] = {}
+    for g in groups:
+        by.setdefault((TuningKey(**g.key), g.workload_id, g.backend), {})[g.kernel] = g
+    out = []
+    for (key, wid, be), per in sorted(by.items(), key=lambda x: (x[0][0], x[0][1], x[0][2])):
+        if len(per) < 2:
+            continue
+        any_g = next(iter(per.values()))
+        out.append(KernelComparison(key=dataclasses.asdict(key), workload_id=wid, workload=any_g.workload,
+                                    backend=be, method=any_g.method,
+                                    best={k: g.best for k, g in per.items()},
+                                    heuristic={k: g.heuristic for k, g in per.items()}))
     return out

@@ -256,9 +256,11 @@ def context(model: ModelShape, limits: ServingLimits, generation: str) -> dict:
         KiB=1024, MiB=1024 ** 2)
 
 
-def check_config(cs: CaseSpace, bs: BlockSizes, ctx: dict) -> tuple[str, str] | None:
-    """None when ``bs`` is a candidate, else ``("illegal" | "capped", reason)``."""
-    errs = block_size_errors(cs.case, bs, ctx["page_size"])
+def check_config(cs: CaseSpace, bs: BlockSizes, ctx: dict, legality=None) -> tuple[str, str] | None:
+    """None when ``bs`` is a candidate, else ``("illegal" | "capped", reason)``.
+    ``legality``: the tuned kernel's rules (``rpa_tune.kernels.TunedKernel.block_size_errors``;
+    default ours, ``kernel.block_size_errors``)."""
+    errs = (legality or block_size_errors)(cs.case, bs, ctx["page_size"])
     if errs:
         return "illegal", "kernel.block_size_errors: " + errs[0]
     ns = dict(ctx, bq=bs.bq, bkv=bs.bkv, cq=bs.cq, ckv=bs.ckv)
@@ -271,10 +273,10 @@ def check_config(cs: CaseSpace, bs: BlockSizes, ctx: dict) -> tuple[str, str] | 
     return None
 
 
-def enumerate_space(cs: CaseSpace, ctx: dict) -> Enumeration:
+def enumerate_space(cs: CaseSpace, ctx: dict, legality=None) -> Enumeration:
     out = Enumeration(candidates=[], total=cs.size)
     for bs in cs.product():
-        verdict = check_config(cs, bs, ctx)
+        verdict = check_config(cs, bs, ctx, legality)
         if verdict is None:
             out.candidates.append(bs)
             continue

@@ -8,8 +8,8 @@ fsynced and then atomically renamed into place, so a sweep killed at any moment 
 (``SCHEMA``); read with ``ResultStore.read()`` (which also tolerates files from older
 schema versions by filling missing columns with nulls).
 
-Resume: ``config_id`` hashes key + workload + block sizes + backend + kernel hash +
-evaluator version; a config whose id is already stored with any status is not evaluated
+Resume: ``config_id`` hashes key (with the tuned kernel) + workload + block sizes + backend
++ kernel version (``rpa_tune.kernels.TunedKernel.config_version``) + evaluator version; a config whose id is already stored with any status is not evaluated
 again (``--retry STATUS`` re-evaluates the chosen statuses).
 """
 from __future__ import annotations
@@ -54,6 +54,10 @@ SCHEMA = pa.schema([
     ("kernel_hash", pa.string()), ("kernel_source_hash", pa.string()), ("git_sha", pa.string()),
     ("timestamp", pa.timestamp("us", tz="UTC")), ("sweep_id", pa.string()), ("config_id", pa.string()),
     ("schema_version", pa.int64()),
+    # the tuned kernel (rpa_tune.kernels): "rpa-tune" (ours; null in files written before
+    # there were two) or "tpu-inference", and its version (our kernel source hash, or
+    # "tpu-inference==<package version>")
+    ("kernel", pa.string()), ("kernel_version", pa.string()),
 ])
 COLUMNS = tuple(SCHEMA.names)
 log = logging.getLogger("rpa_tune.store")

@@ -82,6 +82,7 @@ def print_header(spec: SweepSpec, backend_note: str, results) -> None:
     plan = plan_sweep(spec)
     k = spec.key
     err.print(f"[bold]rpa-tune sweep[/] {k.generation} {k.case}: {spec.model_label or shape_label(k.as_dict())}")
+    err.print(f"  kernel    {spec.tuned_kernel.name} ({spec.tuned_kernel.version()})")
     err.print(f"  key       {k.id()}")
     err.print(f"  workload  {escape(spec.workload_desc)}")
     err.print(f"  space     {spec.case_space and _plan_line(plan)}; heuristic {tuple(plan.heuristic) if plan.heuristic else '-'}")
@@ -112,7 +113,7 @@ def _bs_list(r) -> list | None:
 def outcome_dict(o: Outcome) -> dict:
     """One sweep's outcome for ``sweep --json``."""
     b, h = o.best, o.heuristic_row
-    return dict(key=o.spec.key.as_dict(), key_id=o.spec.key.id(), workload=o.spec.workload_desc,
+    return dict(key=o.spec.key.as_dict(), key_id=o.spec.key_id, kernel=o.spec.kernel, workload=o.spec.workload_desc,
                 backend=o.spec.backend, evaluated=o.evaluated, resumed=o.resumed,
                 counts={k: v for k, v in o.counts.items() if v}, stop_reason=o.stop_reason,
                 interrupted=o.interrupted, elapsed_s=round(o.elapsed_s, 3),
@@ -137,7 +138,7 @@ def group_dict(g) -> dict:
 def print_plan(spec: SweepSpec, backend_note: str, results, json_out: bool = False) -> None:
     if json_out:
         plan = plan_sweep(spec)
-        print_json(dict(key=spec.key.as_dict(), key_id=spec.key.id(), workload=spec.workload_desc,
+        print_json(dict(key=spec.key.as_dict(), key_id=spec.key_id, kernel=spec.kernel, workload=spec.workload_desc,
                         backend=spec.backend, total=plan.total, illegal=plan.illegal, capped=plan.capped,
                         prefiltered=plan.prefiltered,
                         heuristic=list(plan.heuristic) if plan.heuristic else None,
@@ -286,14 +287,14 @@ def print_summary(o: Outcome, store, top: int = 10) -> None:
     df = store.read()
     if not df.empty:
         from .workloads import workload_id
-        d = df[(df["key_id"] == spec.key.id()) & (df["workload_id"] == workload_id(spec.workload))
+        d = df[(df["key_id"] == spec.key_id) & (df["workload_id"] == workload_id(spec.workload))
                & (df["backend"] == spec.backend)]
-        from . import provenance
-        d = d[d["kernel_hash"] == provenance.result_inputs_hash()]
+        d = d[d["kernel_hash"] == spec.tuned_kernel.config_version()]
         d = d.sort_values("timestamp").drop_duplicates("config_id", keep="last")
     else:
         d = df
-    t = Table(title=f"{spec.key.generation} {spec.key.case} — {spec.backend} ({'estimate' if spec.backend == 'compile' else 'measured' if spec.backend == 'tpu' else 'correctness'})")
+    who = "" if spec.tuned_kernel.is_ours else f"{spec.kernel} "
+    t = Table(title=f"{who}{spec.key.generation} {spec.key.case} — {spec.backend} ({'estimate' if spec.backend == 'compile' else 'measured' if spec.backend == 'tpu' else 'correctness'})")
     for c in ("rank", "(bq, bkv, cq, ckv)", "status", "time", "bound", "cycles", "VMEM limit", "compile", "note"):
         t.add_column(c, justify="right" if c in ("time", "cycles", "compile", "rank") else "left")
     ok = d[d["status"] == "ok"].sort_values("metric", na_position="last") if len(d) else d
@@ -357,14 +358,14 @@ def fmt_clock(r) -> str:
 
 def print_winners(groups, top: int = 1) -> None:
     t = Table(title="rpa-tune: best block sizes per key")
-    for c in ("tpu", "case", "shape", "page", "tokens", "len", "workload", "backend", "best (bq, bkv, cq, ckv)",
+    for c in ("kernel", "tpu", "case", "shape", "page", "tokens", "len", "workload", "backend", "best (bq, bkv, cq, ckv)",
               "time", "bound", "audit", "clock", "vs heuristic", "statuses"):
         t.add_column(c, overflow="fold")
     for g in groups:
         b = g.best
         gain = f"x{g.gain:.2f}" if g.gain else "-"
         be = g.backend + (" (stale kernel)" if g.stale else "")
-        t.add_row(g.key["generation"], g.key["case"], shape_label(g.key), str(g.key["page_size"]),
+        t.add_row(g.kernel, g.key["generation"], g.key["case"], shape_label(g.key), str(g.key["page_size"]),
                   str(g.key["max_num_tokens"]), str(g.key["max_model_len"]), escape(g.workload[:48]), be,
                   fmt_bs(b) if b else "[red]none ok[/]", fmt_time(b["metric"]) if b else "-",
                   (b.get("active_bound") or "-") if b else "-", fmt_audit(b), fmt_clock(b), gain,
@@ -380,6 +381,36 @@ def print_winners(groups, top: int = 1) -> None:
                            f"{r['cycles']:,.0f}" if r.get("cycles") else "-", fmt_bytes(r.get("vmem_limit_bytes")),
                            "heuristic" if r.get("is_heuristic") else "")
             out.print(tt)
+
+
+def comparison_dict(c) -> dict:
+    return dict(key=c.key, workload_id=c.workload_id, workload=c.workload, backend=c.backend, method=c.method,
+                ratio=c.ratio, best={k: _brief(r) for k, r in c.best.items()},
+                heuristic={k: _brief(r) for k, r in c.heuristic.items()})
+
+
+def _brief(r) -> dict | None:
+    if not r:
+        return None
+    return dict(block_sizes=[int(r[x]) for x in ("bq", "bkv", "cq", "ckv")], metric=r.get("metric"),
+                active_bound=r.get("active_bound"), cycles=r.get("cycles"))
+
+
+def print_comparison(rows) -> None:
+    t = Table(title="rpa-tune compare: each kernel at its best, same workload and method "
+                    "(compile: audited estimates; tpu: device times)")
+    for c in ("tpu", "case", "shape", "page", "tokens", "len", "workload", "backend", "rpa-tune best", "time",
+              "tpu-inference best", "time", "its default", "rpa-tune / tpu-inference"):
+        t.add_column(c, overflow="fold")
+    for c in rows:
+        a, b, h = c.best.get("rpa-tune"), c.best.get("tpu-inference"), c.heuristic.get("tpu-inference")
+        t.add_row(c.key["generation"], c.key["case"], shape_label(c.key), str(c.key["page_size"]),
+                  str(c.key["max_num_tokens"]), str(c.key["max_model_len"]), escape(c.workload[:40]), c.backend,
+                  fmt_bs(a) if a else "[red]none ok[/]", fmt_time(a["metric"]) if a else "-",
+                  fmt_bs(b) if b else "[red]none ok[/]", fmt_time(b["metric"]) if b else "-",
+                  (f"{fmt_bs(h)} {fmt_time(h['metric'])}" if h and h.get("metric") else "-"),
+                  f"{c.ratio:.2f}" if c.ratio else "-")
+    out.print(t)
 
 
 # =========================================================================== verify
@@ -421,6 +452,8 @@ def print_doctor(rep: dict) -> None:
         t.add_row(k, escape(str(v or "not installed")))
     for k, v in rep["kernel"].items():
         t.add_row(k, str(v))
+    for k, v in rep.get("kernels", {}).items():
+        t.add_row(f"kernel {k}", escape(v))
     if not rep.get("tables"):
         t.add_row("tables", "none found ($RPA_TABLE unset and no shipped tables): the heuristic applies")
     for f in rep.get("tables", []):

@@ -63,6 +63,27 @@ def test_trace_counts_static_dma_bytes_and_names_run_time_sized_ones(tmp_path):
     assert a.verdict == audit.INCOMPLETE and any("run-time size" in r for r in a.reasons)
 
 
+def test_run_time_sized_page_dmas_count_at_one_page_only_when_enough_are_issued():
+    """A kernel whose cache fetches are one run-time-sized DMA per page (the public kernel):
+    the read check counts each at one page, so it passes when enough DMAs are issued to carry
+    the bytes the trace does not show, and fails when too few are (e.g. a dropped loop)."""
+    w = Workload.of_case("decode", [1] * 2, [2049] * 2)
+    need = audit.needed(w, LLAMA, "decode")
+    page_bytes = 128 * audit.token_bytes(LLAMA)
+    pages = -(-need.kv_read_bytes // page_bytes)               # 32 pages of context
+
+    def trace(dyn):
+        return TraceStats(bundles=1, dma_issues={"hbm_to_vmem": dyn}, dma_granules={"vmem_to_hbm": 10 ** 6},
+                          opcodes={"vmatmul.mubr.bf16": 10 ** 6}, dma_dynamic={"hbm_to_vmem": dyn})
+
+    ok = audit.audit_trace(trace(pages), need, FakeCal(), page_bytes)
+    assert ok.verdict == audit.COMPLETE and ok.notes and "one page" in ok.notes[0]
+    few = audit.audit_trace(trace(pages // 2), need, FakeCal(), page_bytes)
+    assert few.verdict == audit.INCOMPLETE and not few.notes
+    # without the caller's bound (our kernel: every DMA has a static size) nothing is assumed
+    assert audit.audit_trace(trace(pages), need, FakeCal()).verdict == audit.INCOMPLETE
+
+
 def test_time_model_rejects_an_impossible_rate():
     """Cycles that would move the workload's bytes faster than HBM allows fail the rate check."""
     w = Workload.of_case("decode", [1] * 64, [4097] * 64)
@@ -138,13 +159,14 @@ def test_a_probe_whose_fast_forwarded_trace_misses_work_is_profiled_again_withou
         def __init__(self, ok):
             self.verdict = audit.COMPLETE if ok else audit.INCOMPLETE
             self.reasons = [] if ok else ["trace holds 0% of the needed MXU FLOPs"]
+            self.notes = []
 
         def to_json(self):
             return {"verdict": self.verdict}
 
     monkeypatch.setattr(profiler, "profile", fake_profile)
     monkeypatch.setattr(trace_mod.TraceStats, "from_json", staticmethod(lambda d: d))
-    monkeypatch.setattr(audit, "audit_trace", lambda tr, need, cal: Verdict(not tr["ff"]))
+    monkeypatch.setattr(audit, "audit_trace", lambda tr, need, cal, page_bytes=None: Verdict(not tr["ff"]))
     monkeypatch.setenv("RPA_TUNE_PROBE_CACHE", str(tmp_path))
     bs = BlockSizes(128, 512, 128, 256)
     pr = compose.probe_config(builder=compose.OURS, case="prefill", bs=bs, tpu="v6e",
@@ -164,13 +186,13 @@ def _probe_with(monkeypatch, tmp_path, fake_profile) -> None:
     """``compose.probe_config`` with ``fake_profile`` in place of the profiler child, every
     trace passing its audit, and the probe cache in ``tmp_path``."""
     class Complete:
-        verdict, reasons = audit.COMPLETE, []
+        verdict, reasons, notes = audit.COMPLETE, [], []
 
         def to_json(self):
             return {}
 
     monkeypatch.setattr(profiler, "profile", fake_profile)
-    monkeypatch.setattr(audit, "audit_trace", lambda tr, need, cal: Complete())
+    monkeypatch.setattr(audit, "audit_trace", lambda tr, need, cal, page_bytes=None: Complete())
     monkeypatch.setenv("RPA_TUNE_PROBE_CACHE", str(tmp_path))
 
 

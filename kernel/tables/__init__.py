@@ -22,6 +22,11 @@ kernel source hash or libtpu are used with one warning per file (``RPA_TABLE_STR
 refuses them). An entry may carry the scoped VMEM limit it was tuned with
 (``vmem_limit_bytes``); the kernel applies it with the entry's block sizes.
 
+Tables of tpu-inference's RPA v3 (``info.kernel = "tpu-inference"``; shipped in
+``tables/tpu-inference/``, ``$RPA_TPU_INFERENCE_TABLE``) serve a server that calls that
+kernel: ``block_sizes_for`` returns its ``d/p/m_block_sizes`` arguments (override ->
+table -> bucket -> the kernel's own default). Our kernel never reads them.
+
 One module per concept: ``schema`` (Entry, Table, JSON, field validation, reading regular
 files), ``parquet`` (the mirror), ``env`` (environment variables), ``index`` (bucketing),
 ``loading`` (which files, per-file and per-entry rejection), ``state`` (the process-wide
@@ -31,17 +36,20 @@ package never imports ``rpa_tune``; Parquet support imports pyarrow lazily.
 from __future__ import annotations
 
 from ..provenance import KERNEL_SOURCE_FILES, kernel_source_hash, libtpu_version
-from .env import ENV_BLOCK_SIZES, ENV_SHIPPED, ENV_STRICT, ENV_TABLE, env_block_sizes
+from .env import (ENV_BLOCK_SIZES, ENV_PUBLIC_BLOCK_SIZES, ENV_PUBLIC_TABLE, ENV_SHIPPED, ENV_STRICT, ENV_TABLE,
+                  env_block_sizes)
 from .index import Match, TableIndex
 from .loading import LoadedTables, load_tables, shipped_table_dir
-from .schema import (KEY_FIELDS, METHODS, PROVENANCE_FIELDS, SCHEMA_VERSION, Entry, Table, TableError,
-                     read_regular_file)
-from .state import _lookup_cached, epoch, key_for, loaded, lookup_block_sizes, lookup_entry, reload, reset
+from .schema import (DEFAULT_KERNEL, KERNEL_NAMES, KEY_FIELDS, METHODS, PROVENANCE_FIELDS, PUBLIC_KERNEL,
+                     SCHEMA_VERSION, Entry, Table, TableError, read_regular_file, table_kernel)
+from .state import (_lookup_cached, block_sizes_for, epoch, key_for, loaded, lookup_block_sizes, lookup_entry,
+                    reload, reset)
 
 __all__ = [
     "SCHEMA_VERSION", "Entry", "Table", "TableError", "TableIndex", "ENV_BLOCK_SIZES", "ENV_TABLE",
     "ENV_SHIPPED", "ENV_STRICT", "env_block_sizes", "key_for", "kernel_source_hash", "libtpu_version",
     "load_tables", "loaded", "lookup_block_sizes", "lookup_entry", "reload", "reset", "shipped_table_dir",
     "epoch", "KEY_FIELDS", "METHODS", "PROVENANCE_FIELDS", "KERNEL_SOURCE_FILES", "LoadedTables", "Match",
-    "read_regular_file",
+    "read_regular_file", "DEFAULT_KERNEL", "PUBLIC_KERNEL", "KERNEL_NAMES", "table_kernel", "block_sizes_for",
+    "ENV_PUBLIC_BLOCK_SIZES", "ENV_PUBLIC_TABLE",
 ]

@@ -12,6 +12,11 @@ ENV_BLOCK_SIZES = {Case.DECODE: "RPA_D_BLOCK_SIZES", Case.PREFILL: "RPA_P_BLOCK_
 ENV_TABLE = "RPA_TABLE"                  # PATH[:PATH...] user tables, before the shipped ones; "none": no tables
 ENV_SHIPPED = "RPA_SHIPPED_TABLES"       # "0": do not load the shipped tables
 ENV_STRICT = "RPA_TABLE_STRICT"          # "1": refuse entries tuned for another kernel hash / libtpu
+# tpu-inference's RPA v3 (kernel.tables.block_sizes_for): its own override variables (the
+# ones vLLM-TPU reads) and where its tables come from
+ENV_PUBLIC_BLOCK_SIZES = {Case.DECODE: "RPA_V3_DECODE_BLOCK_SIZES", Case.PREFILL: "RPA_V3_PREFILL_BLOCK_SIZES",
+                          Case.MIXED: "RPA_V3_MIXED_BLOCK_SIZES"}
+ENV_PUBLIC_TABLE = "RPA_TPU_INFERENCE_TABLE"   # like RPA_TABLE, for tpu-inference's tables
 
 
 @functools.lru_cache(maxsize=64)
@@ -27,11 +32,12 @@ def _parse_env_block_sizes(var: str, raw: str) -> BlockSizes:
     return BlockSizes(*vals)
 
 
-def env_block_sizes(case) -> tuple[BlockSizes, str] | None:
-    """``(BlockSizes, variable name)`` from ``RPA_{D,P,M}_BLOCK_SIZES``, or None when unset
-    or empty. A malformed value raises ``ValueError`` naming the variable (a user mistake:
-    silently ignoring an override would run a configuration the user did not ask for)."""
-    var = ENV_BLOCK_SIZES[Case.parse(case)]
+def env_block_sizes(case, variables: dict = ENV_BLOCK_SIZES) -> tuple[BlockSizes, str] | None:
+    """``(BlockSizes, variable name)`` from ``RPA_{D,P,M}_BLOCK_SIZES`` (or ``variables``:
+    ``ENV_PUBLIC_BLOCK_SIZES``), or None when unset or empty. A malformed value raises
+    ``ValueError`` naming the variable (a user mistake: silently ignoring an override would
+    run a configuration the user did not ask for)."""
+    var = variables[Case.parse(case)]
     raw = os.environ.get(var)
     if raw is None or not raw.strip():
         return None

@@ -10,9 +10,9 @@ from pathlib import Path
 from typing import Iterable
 
 from ..provenance import kernel_source_hash, libtpu_version
-from .env import ENV_SHIPPED, ENV_STRICT, ENV_TABLE, env_flag
+from .env import ENV_PUBLIC_TABLE, ENV_SHIPPED, ENV_STRICT, ENV_TABLE, env_flag
 from .index import TableIndex
-from .schema import Table, TableError
+from .schema import DEFAULT_KERNEL, PUBLIC_KERNEL, Table, TableError
 
 log = logging.getLogger("kernel.tables")
 
@@ -47,10 +47,23 @@ def _strict() -> bool:
     return env_flag(ENV_STRICT)
 
 
+def kernel_version(kernel: str) -> str | None:
+    """What an entry's ``provenance.kernel_hash`` is checked against: our kernel's source
+    hash, or ``tpu-inference==<installed version>`` (None when it is not installed: the
+    check is skipped)."""
+    if kernel == DEFAULT_KERNEL:
+        return kernel_source_hash()
+    from importlib import metadata
+    try:
+        return f"{PUBLIC_KERNEL}=={metadata.version(PUBLIC_KERNEL)}"
+    except metadata.PackageNotFoundError:
+        return None
+
+
 def _compat_filter(table: Table, path: str, strict: bool, warn) -> Table:
-    cur_hash, cur_libtpu = kernel_source_hash(), libtpu_version()
+    cur_hash, cur_libtpu = kernel_version(table.kernel), libtpu_version()
     bad_hash = sorted({e.provenance.get("kernel_hash") for e in table.entries
-                       if e.provenance.get("kernel_hash") not in (None, cur_hash)})
+                       if cur_hash is not None and e.provenance.get("kernel_hash") not in (None, cur_hash)})
     bad_lib = sorted({e.provenance.get("libtpu_version") for e in table.entries
                       if cur_libtpu is not None
                       and e.provenance.get("libtpu_version") not in (None, cur_libtpu)})
@@ -58,7 +71,8 @@ def _compat_filter(table: Table, path: str, strict: bool, warn) -> Table:
         return table
     problems = []
     if bad_hash:
-        problems.append(f"tuned for kernel source hash {', '.join(bad_hash)} (current {cur_hash})")
+        what = "kernel source hash" if table.kernel == DEFAULT_KERNEL else "kernel"
+        problems.append(f"tuned for {what} {', '.join(bad_hash)} (current {cur_hash})")
     if bad_lib:
         problems.append(f"tuned with libtpu {', '.join(bad_lib)} (installed {cur_libtpu})")
     n_bad = sum(1 for e in table.entries
@@ -75,12 +89,14 @@ def _compat_filter(table: Table, path: str, strict: bool, warn) -> Table:
 
 
 def load_tables(paths: Iterable | None = None, *, shipped: bool | None = None,
-                strict: bool | None = None) -> LoadedTables:
-    """Read tables (never raises for a bad file: one warning per file, then skipped).
+                strict: bool | None = None, kernel: str = DEFAULT_KERNEL) -> LoadedTables:
+    """Read the tables of ``kernel`` (never raises for a bad file: one warning per file,
+    then skipped; so is a table of another kernel).
 
     Defaults come from the environment: ``paths`` from ``$RPA_TABLE`` (``none`` disables
-    every table), ``shipped`` from ``$RPA_SHIPPED_TABLES`` (default on), ``strict`` from
-    ``$RPA_TABLE_STRICT``.
+    every table; for tpu-inference ``$RPA_TPU_INFERENCE_TABLE``), ``shipped`` from
+    ``$RPA_SHIPPED_TABLES`` (default on; tpu-inference's shipped tables are in the
+    ``tpu-inference/`` directory of ours), ``strict`` from ``$RPA_TABLE_STRICT``.
     """
     warnings_: list[str] = []
 
@@ -89,7 +105,7 @@ def load_tables(paths: Iterable | None = None, *, shipped: bool | None = None,
         log.warning(msg)
 
     if paths is None:
-        raw = os.environ.get(ENV_TABLE, "")
+        raw = os.environ.get(ENV_TABLE if kernel == DEFAULT_KERNEL else ENV_PUBLIC_TABLE, "")
         if raw.strip().lower() == "none":
             return LoadedTables(TableIndex(), [], [])
         paths = [p for p in raw.split(os.pathsep) if p.strip()]
@@ -102,6 +118,8 @@ def load_tables(paths: Iterable | None = None, *, shipped: bool | None = None,
     sources = [(Path(p).expanduser(), True) for p in paths]
     if shipped:
         d = shipped_table_dir()
+        if d is not None and kernel != DEFAULT_KERNEL:
+            d = d / kernel if (d / kernel).is_dir() else None
         if d is not None:
             sources.append((d, False))
         else:
@@ -124,11 +142,17 @@ def load_tables(paths: Iterable | None = None, *, shipped: bool | None = None,
                 warn(f"rpa table {f}: unexpected error {type(e).__name__}: {e}; ignoring this file")
                 files.append((str(f), f"ignored: {e}"))
                 continue
+            if table.kernel != kernel:
+                warn(f"rpa table {f}: a table of kernel {table.kernel}, not {kernel}; ignoring this file")
+                files.append((str(f), f"ignored: kernel {table.kernel}"))
+                continue
             for msg in rejected:
                 warn(f"rpa table {f}: {msg}; ignoring this entry (the heuristic applies for its key)")
-            other = sum(1 for e in table.entries if e.provenance.get("kernel_hash") not in (None, kernel_source_hash()))
+            current = kernel_version(kernel)
+            other = sum(1 for e in table.entries
+                        if current is not None and e.provenance.get("kernel_hash") not in (None, current))
             table = _compat_filter(table, str(f), strict, warn)
             n = index.add(table, str(f))
             files.append((str(f), f"ok: {n} entries" + (f", {len(rejected)} rejected" if rejected else "")
-                          + (f", {other} tuned for another kernel source hash" if other else "")))
+                          + (f", {other} tuned for another kernel version" if other else "")))
     return LoadedTables(index, files, warnings_)

@@ -14,6 +14,11 @@ from ..config import BlockSizes, Case, TuningKey, block_size_errors
 
 SCHEMA_VERSION = 1
 METHODS = ("estimate", "measured")
+# The kernels a table can be for: this project's, and tpu-inference's RPA v3 (the one
+# vLLM-TPU and SGLang-JAX run). A table holds one kernel's entries; its ``info["kernel"]``
+# names it (absent: ours, as in every table written before there were two).
+DEFAULT_KERNEL, PUBLIC_KERNEL = "rpa-tune", "tpu-inference"
+KERNEL_NAMES = (DEFAULT_KERNEL, PUBLIC_KERNEL)
 KEY_FIELDS = tuple(f.name for f in dataclasses.fields(TuningKey))
 PROVENANCE_FIELDS = ("jax_version", "jaxlib_version", "libtpu_version", "kernel_hash", "git_sha",
                      "date", "search", "budget", "backend", "device_kind", "seed", "config_id",
@@ -171,6 +176,11 @@ class Table:
     def generations(self) -> list[str]:
         return sorted({e.key.generation for e in self.entries})
 
+    @property
+    def kernel(self) -> str:
+        """The kernel whose block sizes these are (``info["kernel"]``, default ours)."""
+        return table_kernel(self.info)
+
     # -- JSON (canonical) ---------------------------------------------------------------
     def to_dict(self) -> dict:
         return {"schema_version": int(self.schema_version), "info": self.info,
@@ -203,6 +213,7 @@ class Table:
         info = doc.get("info") or {}
         if not isinstance(info, dict):
             raise TableError("'info' is not an object")
+        table_kernel(info)
         return cls(_entries(entries, Entry.from_dict, on_bad_entry), info, SCHEMA_VERSION)
 
     @classmethod
@@ -244,6 +255,15 @@ class Table:
         if path.suffix == ".parquet":
             return cls.read_parquet(path, on_bad_entry=on_bad_entry)
         return cls.read_json(path, on_bad_entry=on_bad_entry)
+
+
+def table_kernel(info: dict) -> str:
+    """The kernel named by a table's ``info`` (``DEFAULT_KERNEL`` when absent);
+    ``TableError`` for an unknown one."""
+    k = (info or {}).get("kernel", DEFAULT_KERNEL)
+    if k not in KERNEL_NAMES:
+        raise TableError(f"info.kernel={k!r} is not a known kernel; valid: {', '.join(KERNEL_NAMES)}")
+    return k
 
 
 def _entries(items, parse, on_bad_entry) -> tuple:

@@ -5,13 +5,15 @@ import functools
 import logging
 import threading
 
-from ..config import Case, TuningKey
+from ..config import BlockSizes, CASES, Case, TuningKey
 from .loading import LoadedTables, load_tables
+from .schema import DEFAULT_KERNEL, KERNEL_NAMES, PUBLIC_KERNEL
 
 log = logging.getLogger("kernel.tables")
 
 _lock = threading.Lock()
 _loaded: LoadedTables | None = None
+_loaded_other: dict[str, LoadedTables] = {}    # other kernels' tables (block_sizes_for)
 _logged_keys: set = set()
 _epoch = 0
 
@@ -21,9 +23,16 @@ def epoch() -> int:
     return _epoch
 
 
-def loaded() -> LoadedTables:
-    """The process-wide tables, read on first use (thread-safe)."""
+def loaded(kernel: str = DEFAULT_KERNEL) -> LoadedTables:
+    """The process-wide tables of ``kernel``, read on first use (thread-safe)."""
     global _loaded
+    if kernel != DEFAULT_KERNEL:
+        if kernel not in KERNEL_NAMES:
+            raise ValueError(f"unknown kernel {kernel!r}; valid: {', '.join(KERNEL_NAMES)}")
+        with _lock:
+            if kernel not in _loaded_other:
+                _loaded_other[kernel] = load_tables(kernel=kernel)
+            return _loaded_other[kernel]
     state = _loaded
     if state is None:
         with _lock:
@@ -38,6 +47,7 @@ def reset() -> None:
     global _loaded, _epoch
     with _lock:
         _loaded = None
+        _loaded_other.clear()
         _epoch += 1
         _logged_keys.clear()
         _lookup_cached.cache_clear()
@@ -107,3 +117,41 @@ def _lookup_cached(case, generation, q_dtype, kv_dtype, hq, hkv, d, page_size, t
                        f"from {m.source}")
     return (m.entry.block_sizes, f"table:{where}" + ("" if m.exact else " (bucket)"),
             m.entry.vmem_limit_bytes)
+
+
+# ------------------------------------------------------- bring-up of tpu-inference's RPA v3
+def block_sizes_for(*, kernel: str = PUBLIC_KERNEL, generation: str, q_dtype: str, kv_dtype: str,
+                    num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
+                    max_num_tokens: int, pages_per_seq: int, sliding_window=None) -> dict:
+    """Block sizes for a server that calls tpu-inference's RPA v3 (``kernel`` is its name,
+    the only one this serves: our kernel resolves its own, ``kernel.api``), as the keyword
+    arguments of its ``ragged_paged_attention``: ``{"d_block_sizes": (bq, bkv, cq, ckv),
+    "p_block_sizes": ..., "m_block_sizes": ...}``, with a case present only when something
+    chose it. Per case, in order: the ``RPA_V3_{DECODE,PREFILL,MIXED}_BLOCK_SIZES``
+    variable (the ones vLLM-TPU reads), then its tables (``$RPA_TPU_INFERENCE_TABLE``, then
+    the shipped ``tables/tpu-inference/``; exact key, then the bucketing rule), and
+    otherwise nothing: the kernel's own default applies (``get_default_block_sizes``).
+    A malformed variable raises ``ValueError`` naming it; a bad table is skipped with a
+    warning. ``q_dtype`` / ``kv_dtype`` are dtype names ("bfloat16", "float8_e4m3fn")."""
+    from .env import ENV_PUBLIC_BLOCK_SIZES, env_block_sizes
+    if kernel != PUBLIC_KERNEL:
+        raise ValueError(f"block_sizes_for serves kernel {PUBLIC_KERNEL!r}, got {kernel!r} (this project's "
+                         "kernel looks its block sizes up itself)")
+    out = {}
+    for case in CASES:
+        arg = f"{case.value[0]}_block_sizes"
+        env = env_block_sizes(case, ENV_PUBLIC_BLOCK_SIZES)
+        if env is not None:
+            out[arg] = tuple(env[0])
+            continue
+        key = TuningKey(generation=generation, case=case.value, q_dtype=str(q_dtype), kv_dtype=str(kv_dtype),
+                        num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                        page_size=page_size, max_num_tokens=max_num_tokens,
+                        max_model_len=pages_per_seq * page_size, sliding_window=sliding_window is not None)
+        m = loaded(kernel).index.find(key)
+        if m is None or not m.entry.promoted:
+            _log_once((kernel, key), f"{kernel} table: no promoted entry for {key.id()}; the kernel's own "
+                                     "default applies")
+            continue
+        out[arg] = tuple(BlockSizes.coerce(m.entry.block_sizes))
+    return out

@@ -6,7 +6,13 @@ run-time trip counts) and then costs less work than the kernel does. ``audit`` c
 trace (``trace.TraceStats``) against what the workload needs (``needed``):
 
 * KV bytes read: HBM -> VMEM DMA bytes in the trace >= 95 % of the cached context the
-  workload reads (its KV tokens before the new ones, merged K+V of every KV head);
+  workload reads (its KV tokens before the new ones, merged K+V of every KV head). A DMA
+  whose size is a run-time value prints no size in the trace; when the caller says such a
+  DMA moves at most one page (``page_bytes``: tpu-inference's RPA v3 fetches the cache one
+  page per DMA, ``clip(left, 0, page_size)`` tokens), the check counts each at one page:
+  the trace must then issue enough of them to carry the bytes it does not show. That
+  proves the fetches are issued (a dropped loop would issue none), not their sizes; the
+  audit's ``notes`` say when it was used;
 * KV bytes written: DMA bytes into HBM >= 95 % of the new tokens' K/V;
 * MXU work: vmatmul instructions x the most FLOPs one instruction carries on that
   generation (``calibration``) >= 95 % of the workload's FLOPs (QK^T and PV over the
@@ -73,25 +79,33 @@ class Audit:
     kv_write_traced: int = 0
     flops: int = 0
     mxu_flops_traced: int = 0
+    notes: list = dataclasses.field(default_factory=list)   # checks passed on a bound (module doc)
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
 
 
-def audit_trace(trace, need: Needed, cal) -> Audit:
-    """The work check of one compiled estimate (``trace``: ``TraceStats``)."""
+def audit_trace(trace, need: Needed, cal, page_bytes: int | None = None) -> Audit:
+    """The work check of one compiled estimate (``trace``: ``TraceStats``). ``page_bytes``:
+    the most one run-time-sized HBM -> VMEM DMA of this kernel moves (module doc), if known."""
     g = cal.dma_granule_bytes or 32
     read = trace.granules("hbm_to_vmem") * g
     write = sum(n for d, n in trace.dma_granules.items() if d.endswith("to_hbm")) * g
     mxu = trace.mxu_matmuls * cal.flops_per_vmatmul
     a = Audit(COMPLETE, [], need.kv_read_bytes, read, need.kv_write_bytes, write, need.flops, int(mxu))
+    dyn = (trace.dma_dynamic or {}).get("hbm_to_vmem", 0)
+    if (page_bytes and dyn and read < WORK_FRACTION * need.kv_read_bytes
+            and read + dyn * page_bytes >= WORK_FRACTION * need.kv_read_bytes):
+        a.notes.append(f"{dyn} HBM->VMEM DMAs have a run-time size the trace does not print; at one page "
+                       f"({page_bytes} B) at most each they can carry the {need.kv_read_bytes - read:.3g} needed "
+                       "read bytes it does not show (counted so)")
+        read = need.kv_read_bytes
     for what, have, want in (("KV read DMA bytes", read, need.kv_read_bytes),
                              ("KV write DMA bytes", write, need.kv_write_bytes),
                              ("MXU FLOPs", mxu, need.flops)):
         if want and have < WORK_FRACTION * want:
             a.verdict = INCOMPLETE
             a.reasons.append(f"trace holds {have / want:.0%} of the needed {what} ({have:.3g} of {want:.3g})")
-    dyn = (trace.dma_dynamic or {}).get("hbm_to_vmem", 0)
     if dyn and read < WORK_FRACTION * need.kv_read_bytes:
         a.reasons.append(f"{dyn} HBM->VMEM DMAs have a run-time size the trace does not print: "
                          "the read check cannot see their bytes")

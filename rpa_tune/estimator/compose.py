@@ -40,11 +40,14 @@ class Probe:
         return Workload.of_case(case, list(self.q_lens), list(self.kv_lens))
 
 
-def probes(case: Case | str, bs: BlockSizes, page_size: int, skip_dead_chunks: bool = True) -> list[Probe]:
+def probes(case: Case | str, bs: BlockSizes, page_size: int, skip_dead_chunks: bool = True,
+           walk_new: bool = False) -> list[Probe]:
     """The probe workloads of one config. Decode: eight batches of 4-8 sequences (one page,
     a part step, three pages, one full step, two full steps), enough steps for the pipeline
     to reach its steady state, where a step costs the larger of its compute and its page
-    DMAs (``pipeline_cycles``). Prefill / mixed: at most three sequences, two q blocks."""
+    DMAs (``pipeline_cycles``). Prefill / mixed: at most three sequences, two q blocks.
+    ``walk_new``: the kernel's KV walk covers the new token too (``pipeline_steps``), so the
+    decode probes end on the same step boundaries one token earlier."""
     case = Case.parse(case)
     bq, bkv, _, ckv = bs
     P = page_size
@@ -56,7 +59,7 @@ def probes(case: Case | str, bs: BlockSizes, page_size: int, skip_dead_chunks: b
         for n, ctx in shapes:
             if (n, ctx) not in seen:
                 seen.add((n, ctx))
-                out.append(Probe((1,) * n, (ctx + 1,) * n))
+                out.append(Probe((1,) * n, (ctx + (0 if walk_new else 1),) * n))
         return out
     one = [(bq, bq)]
     # Where dead chunks are skipped, chunks and cached pages vary apart only if a probe's
@@ -74,12 +77,18 @@ def probes(case: Case | str, bs: BlockSizes, page_size: int, skip_dead_chunks: b
 PIPELINE_PARAMS = ("call", "seq", "step", "chunk", "partial", "dma_step", "dma_page")
 
 
-def pipeline_steps(bs: BlockSizes, page_size: int, kv_lens, sliding_window=None) -> list[tuple[int, int, bool, bool]]:
+def pipeline_steps(bs: BlockSizes, page_size: int, kv_lens, sliding_window=None,
+                   walk_new: bool = False) -> list[tuple[int, int, bool, bool]]:
     """Decode's KV steps in kernel order: (pages fetched, chunks computed, first of its
     sequence, ends in a partial chunk). The kernel runs the chunks wholly below the context
-    end unmasked and a partial last chunk masked, in a loop of its own."""
+    end unmasked and a partial last chunk masked, in a loop of its own.
+
+    ``walk_new``: the kernel walks all ``kv_len`` tokens in its KV steps, the new token
+    included (tpu-inference's RPA v3 fills a block from the cache, then from the new-KV
+    array; lowered with write-back off, all from the cache), where ours walks the cached
+    ``kv_len - 1`` and reads the new token apart: its steps are ours for one token more."""
     out = []
-    for kv in kv_lens:
+    for kv in ((k + 1 for k in kv_lens) if walk_new else kv_lens):
         ctx = kv - 1
         first_blk = max(0, ctx - sliding_window + 1) // bs.bkv if sliding_window else 0
         for i, st in enumerate(plan(Case.DECODE, bs, page_size, 1, kv, sliding_window)[0]):
@@ -170,12 +179,13 @@ class CostModel:
     sliding_window: int | None = None
     kind: str = "linear"
     skip_dead_chunks: bool = True   # the generation's kernel skips dead prefill / mixed chunks
+    walk_new: bool = False          # decode: the KV walk covers the new token (pipeline_steps)
 
     def cycles(self, workload: Workload) -> float:
         if self.kind == "pipeline":
             lo, hi = workload.case_range(Case.DECODE)
             steps = pipeline_steps(BlockSizes(*self.block_sizes), self.page_size, workload.kv_lens[lo:hi],
-                                   self.sliding_window)
+                                   self.sliding_window, self.walk_new)
             return pipeline_cycles(self.coef, steps)
         x = design(self.case, BlockSizes(*self.block_sizes), self.page_size, [workload], self.sliding_window,
                    self.skip_dead_chunks)[0]
@@ -186,17 +196,18 @@ class CostModel:
 
 
 def fit(case: Case | str, bs: BlockSizes, page_size: int, probe_list: list[Probe], cycles: list[float],
-        sliding_window=None, skip_dead_chunks: bool = True) -> CostModel:
+        sliding_window=None, skip_dead_chunks: bool = True, walk_new: bool = False) -> CostModel:
     """Decode: the pipeline's seven costs by least squares on relative error (non-negative).
     Prefill / mixed: least-squares per-item costs from the probes' cycles. Items that never vary across
     the probes (always collinear with another, e.g. decode's q blocks with its sequences)
     get the minimum-norm share, which prices workloads of the same structure exactly."""
     case = Case.parse(case)
     if case == Case.DECODE:
-        coef, resid = _fit_pipeline([pipeline_steps(bs, page_size, p.kv_lens, sliding_window) for p in probe_list],
-                                    cycles)
+        coef, resid = _fit_pipeline([pipeline_steps(bs, page_size, p.kv_lens, sliding_window, walk_new)
+                                     for p in probe_list], cycles)
         return CostModel(case.value, tuple(bs), page_size, tuple(float(c) for c in coef),
-                         tuple(float(c) for c in cycles), float(resid.max()), sliding_window, "pipeline")
+                         tuple(float(c) for c in cycles), float(resid.max()), sliding_window, "pipeline",
+                         walk_new=walk_new)
     X = design(case, bs, page_size, [p.workload(case) for p in probe_list], sliding_window, skip_dead_chunks)
     y = np.asarray(cycles, dtype=np.float64)
     coef, *_ = np.linalg.lstsq(X, y, rcond=None)
@@ -221,14 +232,14 @@ def _cache_key(doc: dict) -> str:
 
 
 OURS = "rpa_tune.estimator.ours:lower"
-PROBE_VERSION = "3"     # the probe workloads (``probes``); the fit is redone from cached cycles
+PROBE_VERSION = "4"     # the probe workloads (``probes``) and their audit; the fit is redone from cached cycles
 # How many probes of one config compile at once (default 1); the sweep sets it per worker.
 PROBE_WORKERS_ENV = "RPA_TUNE_PROBE_WORKERS"
 
 
 def probe_config(*, builder: str, case: Case | str, bs: BlockSizes, tpu: str, model: dict, limits: dict,
                  options: dict | None = None, timeout: float | None = 600, use_cache: bool = True,
-                 workers: int | None = None) -> dict:
+                 workers: int | None = None, writes_kv_cache: bool = True) -> dict:
     """Compile and audit every probe of one config; fit its ``CostModel``.
 
     Returns ``{"status", "model" (CostModel JSON), "probes": [{q_lens, kv_lens, cycles,
@@ -239,6 +250,8 @@ def probe_config(*, builder: str, case: Case | str, bs: BlockSizes, tpu: str, mo
     per config, kernel source, library versions and generation (``RPA_TUNE_PROBE_CACHE``).
     ``workers``: probes compiled at once (default ``$RPA_TUNE_PROBE_WORKERS`` or 1); after
     a probe fails no further one starts and those still compiling are killed.
+    ``writes_kv_cache``: False for a program lowered without its KV-cache write-back (the
+    public kernel, ``rpa_tune.estimator.public``): its audit does not ask for those bytes.
     """
     import json
     import time
@@ -259,11 +272,16 @@ def probe_config(*, builder: str, case: Case | str, bs: BlockSizes, tpu: str, mo
             and bs.bkv <= 8 * limits["page_size"])
     if fast:
         doc["profiler"] = "fast_forward"
+    walk_new = builder != OURS and case == Case.DECODE      # its decode probes differ (pipeline_steps)
+    if walk_new:
+        doc["walk_new"] = True
     source = kernel_hash()       # what the cache key holds; every probe must have compiled it
     path = os.path.join(_cache_dir(), _cache_key(doc) + ".json")
     from kernel.config import get_generation
-    skip = get_generation(tpu).skip_dead_chunks
-    plist = probes(case, bs, limits["page_size"], skip)
+    # Our kernel skips dead chunks except on TPU7x (kernel.config.TpuGeneration); the public
+    # kernel's lowering runs a compute chunk only below its KV block's valid length.
+    skip = get_generation(tpu).skip_dead_chunks if builder == OURS else True
+    plist = probes(case, bs, limits["page_size"], skip, walk_new)
     window = (options or {}).get("sliding_window")
     if use_cache and os.path.exists(path):
         try:
@@ -271,7 +289,7 @@ def probe_config(*, builder: str, case: Case | str, bs: BlockSizes, tpu: str, mo
                 out = json.load(f)
             if out.get("status") == "ok":   # the probes' cycles are cached; the fit is redone
                 out["model"] = fit(case, bs, limits["page_size"], plist,
-                                   [p["cycles"] for p in out["probes"]], window, skip).to_json()
+                                   [p["cycles"] for p in out["probes"]], window, skip, walk_new).to_json()
             return out
         except (OSError, ValueError, KeyError, TypeError):
             pass
@@ -290,7 +308,7 @@ def probe_config(*, builder: str, case: Case | str, bs: BlockSizes, tpu: str, mo
         w = p.workload(case)
         req = dict(doc, workload=dict(q_lens=list(w.q_lens), kv_lens=list(w.kv_lens),
                                       distribution=list(w.distribution)), block_sizes=list(bs))
-        for k in ("builder", "bs", "profiler"):
+        for k in ("builder", "bs", "profiler", "walk_new"):
             req.pop(k, None)
         # A decode probe of two full steps is longer than a key's max_model_len when bkv is
         # half of it (bkv 4096 at 8K): the probe's limits admit it. max_model_len only sizes
@@ -298,6 +316,10 @@ def probe_config(*, builder: str, case: Case | str, bs: BlockSizes, tpu: str, mo
         req["limits"] = dict(limits, max_model_len=max(limits["max_model_len"],
                                                        round_up(max(w.kv_lens), limits["page_size"])))
         need = audit_mod.needed(w, shape, case)
+        if not writes_kv_cache:
+            need = dataclasses.replace(need, kv_write_bytes=0)
+        # the public kernel fetches the cache one page per run-time-sized DMA (audit doc)
+        page_bytes = None if builder == OURS else limits["page_size"] * audit_mod.token_bytes(shape)
         spent = {"compile_s": 0.0, "max_rss_bytes": 0}
 
         def attempt(forward: bool):
@@ -306,7 +328,8 @@ def probe_config(*, builder: str, case: Case | str, bs: BlockSizes, tpu: str, mo
                                  cancel=failed)
             spent["max_rss_bytes"] = max(spent["max_rss_bytes"], r.get("max_rss_bytes") or 0)
             spent["compile_s"] += (r.get("lower_s") or 0.0) + (r.get("compile_s") or 0.0)
-            a = audit_mod.audit_trace(TraceStats.from_json(r["trace"]), need, cal) if r["status"] == "ok" else None
+            a = (audit_mod.audit_trace(TraceStats.from_json(r["trace"]), need, cal, page_bytes)
+                 if r["status"] == "ok" else None)
             return r, a
 
         forwarded = fast and not forward_failed.is_set()
@@ -349,10 +372,12 @@ def probe_config(*, builder: str, case: Case | str, bs: BlockSizes, tpu: str, mo
         if a.verdict != audit_mod.COMPLETE:
             out["audit"] = audit_mod.INCOMPLETE
             out["reasons"] += [f"probe {list(p.q_lens)}/{list(p.kv_lens)}: {x}" for x in a.reasons]
+        if a.notes:
+            out.setdefault("notes", []).append(f"probe {list(p.q_lens)}/{list(p.kv_lens)}: {a.notes[0]}")
         out["probes"].append(dict(q_lens=list(p.q_lens), kv_lens=list(p.kv_lens), cycles=r["cycles"],
                                   audit=a.to_json(), max_rss_bytes=r.get("max_rss_bytes"),
                                   compile_s=r.get("compile_s"), fast_forward=d["fast_forward"]))
-    m = fit(case, bs, limits["page_size"], plist, [p["cycles"] for p in out["probes"]], window, skip)
+    m = fit(case, bs, limits["page_size"], plist, [p["cycles"] for p in out["probes"]], window, skip, walk_new)
     out["skip_dead_chunks"] = skip
     out["model"] = m.to_json()
     if use_cache:

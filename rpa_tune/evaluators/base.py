@@ -47,6 +47,7 @@ class Task:
     seed: int = 0
     vmem_predicted_bytes: int | None = None
     sliding_window: int | None = None        # the attention window the kernel runs with
+    kernel: str = "rpa-tune"                 # the tuned kernel (rpa_tune.kernels)
 
     def to_json(self) -> dict:
         return dict(backend=self.backend, generation=self.generation, case=self.case,
@@ -54,7 +55,8 @@ class Task:
                     workload=dict(q_lens=list(self.workload.q_lens), kv_lens=list(self.workload.kv_lens),
                                   distribution=list(self.workload.distribution)),
                     bs=list(self.bs), timeout=self.timeout, seed=self.seed,
-                    vmem_predicted_bytes=self.vmem_predicted_bytes, sliding_window=self.sliding_window)
+                    vmem_predicted_bytes=self.vmem_predicted_bytes, sliding_window=self.sliding_window,
+                    kernel=self.kernel)
 
     @classmethod
     def from_json(cls, d: dict) -> "Task":
@@ -63,7 +65,8 @@ class Task:
                    model=ModelShape(**d["model"]), limits=ServingLimits(**d["limits"]),
                    workload=Workload(tuple(w["q_lens"]), tuple(w["kv_lens"]), tuple(w["distribution"])),
                    bs=BlockSizes(*d["bs"]), timeout=float(d["timeout"]), seed=int(d["seed"]),
-                   vmem_predicted_bytes=d.get("vmem_predicted_bytes"), sliding_window=d.get("sliding_window"))
+                   vmem_predicted_bytes=d.get("vmem_predicted_bytes"), sliding_window=d.get("sliding_window"),
+                   kernel=d.get("kernel") or "rpa-tune")
 
 
 @dataclasses.dataclass

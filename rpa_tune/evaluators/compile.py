@@ -19,6 +19,10 @@ Per config:
    the cycles imply is physically possible; ``incomplete`` rows never win.
 4. When the static profiler crashes (a libtpu abort in the child), the config is compiled
    without the profiler in this worker to still get the VMEM verdict.
+
+The task's kernel (``rpa_tune.kernels``) picks the program: ours, or tpu-inference's RPA v3
+through ``rpa_tune.estimator.public`` (its first scoped VMEM limit is that lowering's
+default, half the chip's VMEM, since our scratch prediction says nothing about its use).
 """
 from __future__ import annotations
 
@@ -42,12 +46,17 @@ class CompileEvaluator(Evaluator):
         from kernel.hardware import tpu_info
         from .. import prefilter
 
+        from ..kernels import get_kernel
+        kern = get_kernel(task.kernel)
         deadline = time.monotonic() + task.timeout
         cap = int(tpu_info(task.generation).vmem_capacity_bytes)
-        predicted = task.vmem_predicted_bytes
-        if predicted is None:
-            predicted = prefilter.predicted_bytes(task.model, task.limits, task.bs)
-        limit = base.initial_vmem_limit(predicted, cap)
+        if kern.is_ours:
+            predicted = task.vmem_predicted_bytes
+            if predicted is None:
+                predicted = prefilter.predicted_bytes(task.model, task.limits, task.bs)
+            limit = base.initial_vmem_limit(predicted, cap)
+        else:
+            limit = cap // 2
         kind = f"deviceless {get_generation(task.generation).device_kind}"
         notes = []
         compile_fn = self._estimate if self.profile else self._plain_compile
@@ -82,6 +91,8 @@ class CompileEvaluator(Evaluator):
                          f"{r['max_rss_bytes'] / 2**30:.1f} GB); time at {t['clock_hz'] / 1e9:.2f} GHz")
             if verdict != audit.COMPLETE:
                 notes.append("audit incomplete: " + "; ".join(reasons))
+            if r.get("notes"):
+                notes.append(f"read check on a bound in {len(r['notes'])} probes: " + r["notes"][0])
             return EvalResult(base.OK, self.method, metric=t["time_s"], cycles=float(cycles),
                               estimate_s=t["estimate_s"], memory_bound_s=t["memory_bound_s"],
                               compute_bound_s=t["compute_bound_s"], active_bound=t["active_bound"],
@@ -103,7 +114,9 @@ class CompileEvaluator(Evaluator):
     def _estimate(self, task: Task, limit: int, remaining: float) -> dict:
         import dataclasses
         from rpa_tune.estimator import compose
-        r = compose.probe_config(builder=compose.OURS, case=task.case, bs=task.bs,
+        from ..kernels import get_kernel
+        kern = get_kernel(task.kernel)
+        r = compose.probe_config(builder=kern.builder, writes_kv_cache=kern.writes_kv_cache, case=task.case, bs=task.bs,
                                  tpu=task.generation, model=dataclasses.asdict(task.model),
                                  limits=dataclasses.asdict(task.limits),
                                  options=_options(task, limit), timeout=remaining)
@@ -112,11 +125,20 @@ class CompileEvaluator(Evaluator):
     def _plain_compile(self, task: Task, limit: int, remaining: float) -> dict:
         """Compile in this process without the profiler: the VMEM / compile verdict only.
         (The engine's worker timeout bounds it.)"""
+        import dataclasses
+        import importlib
         from kernel import analysis
+        from ..kernels import get_kernel
+        module, _, fn = get_kernel(task.kernel).builder.partition(":")
+        lower = getattr(importlib.import_module(module), fn)
+        w = task.workload
         t0 = time.perf_counter()
         try:
-            lowered = analysis.lower_for_estimate(task.workload, task.bs, task.generation, task.model,
-                                                  task.limits, task.case, **_options(task, limit))
+            lowered, _ = lower(workload=dict(q_lens=list(w.q_lens), kv_lens=list(w.kv_lens),
+                                             distribution=list(w.distribution)),
+                               block_sizes=list(task.bs), tpu=task.generation, model=dataclasses.asdict(task.model),
+                               limits=dataclasses.asdict(task.limits), case=task.case,
+                               options=_options(task, limit))
         except Exception as e:  # noqa: BLE001 - classified below
             return {"status": base.COMPILE_ERROR, "message": f"lowering failed: {type(e).__name__}: {e}"}
         t1 = time.perf_counter()

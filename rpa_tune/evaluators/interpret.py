@@ -31,6 +31,10 @@ from . import base
 from .base import EvalResult, Evaluator, Task
 
 CORRUPT_ENV = "RPA_TUNE_TEST_CORRUPT"
+# Measured (jax 0.12.0.1): its DMAs reshape refs, which the interpreter cannot follow
+# ("'ReshapeTransform' object has no attribute 'indices'").
+INTERPRET_UNSUPPORTED = ("the {} kernel does not run in the Pallas TPU interpreter (its DMAs use ref reshapes "
+                         "the interpreter does not support); check it with --backend tpu on a TPU")
 
 
 def interpret_problem(task: Task) -> tuple[ServingLimits, Workload]:
@@ -89,7 +93,10 @@ class InterpretEvaluator(Evaluator):
         import jax.numpy as jnp
         import kernel
         from kernel.workload import make_inputs
+        from ..kernels import get_kernel
 
+        if not get_kernel(task.kernel).interpretable:
+            return EvalResult(base.COMPILE_ERROR, self.method, message=INTERPRET_UNSUPPORTED.format(task.kernel))
         limits, w = interpret_problem(task)
         inp = make_inputs(task.model, limits, w, seed=task.seed)
         sm_scale = task.model.head_dim ** -0.5

@@ -16,6 +16,12 @@ kernel's device time is read from a profiler trace (``jax.profiler.trace``; the
 median, the relative spread (IQR / median) and the number of samples.
 
 Only one process can own a TPU, so the engine runs this backend with one worker.
+
+tpu-inference's RPA v3 (task kernel ``tpu-inference``) is timed the same way, called with
+the same arguments (its KV layout is ours), its scoped VMEM limit its own default (all of
+VMEM), and checked against the same reference. Its device events are those named like its
+pallas_call for the case (``RPA<d|p|m>-p_<page>-bq_<bq>_<cq>-bkv_...``, from its source; not
+checked without a TPU: if none match, the wall-clock is kept and the row says so).
 """
 from __future__ import annotations
 
@@ -192,8 +198,17 @@ class TpuEvaluator(Evaluator):
         sm_scale = task.model.head_dim ** -0.5
         notes = []
         compile_s = None
+        from ..kernels import get_kernel
+        kern = get_kernel(task.kernel)
+        if kern.is_ours:
+            call, prefix = kernel.ragged_paged_attention, f"rpa_{task.case}_{task.bs.label()}"
+        else:   # the same arguments (our kernel is call-compatible with it)
+            from ..public_kernel import load_kernel_module
+            call = load_kernel_module().ragged_paged_attention
+            prefix = f"RPA{task.case[0]}-p_{task.limits.page_size}-bq_{task.bs.bq}_{task.bs.cq}-bkv_"
+            limit = cap          # its own default: all of VMEM
         while True:
-            fn = jax.jit(functools.partial(kernel.ragged_paged_attention, sm_scale=sm_scale,
+            fn = jax.jit(functools.partial(call, sm_scale=sm_scale,
                                            sliding_window=task.sliding_window, vmem_limit_bytes=limit,
                                            **{block_sizes_arg(task.case): tuple(task.bs)}),
                          donate_argnums=(3,))
@@ -239,7 +254,6 @@ class TpuEvaluator(Evaluator):
         how = "host wall-clock per call (blocked on the result)"
         stats = summarize_times(times)
         if stats.median < DEVICE_TIME_BELOW_S:
-            prefix = f"rpa_{task.case}_{task.bs.label()}"
             dev_times = trace_device_times(step, min(len(times), 200), prefix)
             if dev_times:
                 stats = summarize_times(dev_times)
