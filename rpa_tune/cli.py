@@ -7,13 +7,12 @@ written (``cli_common``).
 """
 from __future__ import annotations
 
-import sys
 from pathlib import Path
-from typing import Optional
+from typing import Annotated, Optional
 
 import typer
 
-from .cli_common import (BackendChoice, GENERATION_NAMES, HeadDim, JsonFlag, KernelOpt, KvDtypeOpt, KvHeads, MaxModelLen,
+from .cli_common import (BackendChoice, HeadDim, JsonFlag, KernelOpt, KvDtypeOpt, KvHeads, MaxModelLen,
                          MaxNumSeqs, MaxNumTokens, Model, OptionalTpu, PageSize, QDtypeOpt, QHeads, ResultBackend,
                          RpaTuneGroup, SearchChoice, Status, SweepCase, CaseChoice, Tpu, UsageError, fail,
                          parse_int_list, resolve_limits, resolve_model, value)
@@ -219,14 +218,20 @@ def _build_specs(*, tpu, case, model, q_heads, kv_heads, head_dim, dtype, kv_dty
 
 
 # ============================================================================= show
+# the options show and compare read results with
+ResultsDir = Annotated[Path, typer.Option("--results", help="Results directory to read.")]
+CaseFilter = Annotated[Optional[CaseChoice], typer.Option("--case", case_sensitive=False,
+                                                          help="Only this case. Default: all.")]
+BackendFilter = Annotated[Optional[ResultBackend], typer.Option(
+    "--backend", case_sensitive=False, help="Only results of this backend. Default: tpu and compile.")]
+
+
 @app.command()
 def show(
-    results: Path = typer.Option(Path("results"), "--results", help="Results directory to read."),
+    results: ResultsDir = Path("results"),
     tpu: OptionalTpu = None,
-    case: Optional[CaseChoice] = typer.Option(None, "--case", case_sensitive=False,
-                                              help="Only this case. Default: all."),
-    backend: Optional[ResultBackend] = typer.Option(None, "--backend", case_sensitive=False,
-                                                    help="Only results of this backend. Default: tpu and compile."),
+    case: CaseFilter = None,
+    backend: BackendFilter = None,
     top: int = typer.Option(1, "--top", min=1, help="Configs listed per key (1: the winner only)."),
     json_out: JsonFlag = False,
 ):
@@ -251,12 +256,10 @@ def show(
 # ========================================================================== compare
 @app.command()
 def compare(
-    results: Path = typer.Option(Path("results"), "--results", help="Results directory to read."),
+    results: ResultsDir = Path("results"),
     tpu: OptionalTpu = None,
-    case: Optional[CaseChoice] = typer.Option(None, "--case", case_sensitive=False,
-                                              help="Only this case. Default: all."),
-    backend: Optional[ResultBackend] = typer.Option(None, "--backend", case_sensitive=False,
-                                                    help="Only results of this backend. Default: tpu and compile."),
+    case: CaseFilter = None,
+    backend: BackendFilter = None,
     json_out: JsonFlag = False,
 ):
     """This project's kernel against tpu-inference's RPA v3, per key tuned for both: each at

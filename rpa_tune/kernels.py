@@ -109,18 +109,12 @@ def key_id(key: TuningKey, kernel: str) -> str:
 
 # ----------------------------------------------------------------- the public kernel's rules
 def public_block_size_errors(bs: BlockSizes, page_size: int) -> list[str]:
-    """The block-size checks of tpu-inference's ``static_validate_inputs`` (0.32.0)."""
-    errs = [f"{n}={v} must be a positive int" for n, v in zip(bs._fields, bs) if v <= 0]
-    if errs:
-        return errs
-    if bs.bq % bs.cq:
-        errs.append(f"bq={bs.bq} must be a multiple of cq={bs.cq} (rule bq % cq == 0)")
-    if bs.bkv % bs.ckv:
-        errs.append(f"bkv={bs.bkv} must be a multiple of ckv={bs.ckv} (rule bkv % ckv == 0)")
-    for n in ("bkv", "ckv"):
-        if getattr(bs, n) % page_size:
-            errs.append(f"{n}={getattr(bs, n)} must be a multiple of page_size={page_size}")
-    return errs
+    """The block-size checks of tpu-inference's ``static_validate_inputs`` (0.32.0): ``bq %
+    cq``, ``bkv % ckv``, ``bkv`` and ``ckv`` multiples of the page size. They are ours without
+    our decode-only rule (``bq == cq == 1``), so ours for a non-decode case state them
+    (``tests/test_public_backend.py`` checks them against the package)."""
+    from kernel.config import block_size_errors
+    return block_size_errors(Case.PREFILL, bs, page_size)
 
 
 def public_default_block_sizes(key: TuningKey, *, max_num_seqs: int = 128) -> BlockSizes | None:
