@@ -122,7 +122,9 @@ def export_cmd(
         fail(f"no usable {kernel} result rows for {', '.join(generation) or 'any generation'}"
              + (f" and workload {', '.join(workload_id)}" if workload_id else "")
              + f" in {', '.join(map(str, results))}"
-             + (" (tune it with `rpa-tune sweep --kernel tpu-inference ...`)" if kernel == "tpu-inference" else ""),
+             + (" (tune it with `rpa-tune sweep --kernel tpu-inference ...`)" if kernel == "tpu-inference" else "")
+             + (" (these results hold tpu-inference rows: export them with --kernel tpu-inference)"
+                if kernel == "rpa-tune" and "kernel" in df and (df["kernel"] == "tpu-inference").any() else ""),
              code=1)
     if fmt != "tables":
         _export_server_format(fmt, tables, out)
@@ -214,10 +216,13 @@ def _export_server_format(fmt: str, tables, out: Optional[Path]) -> None:
         sys.stdout.write(text)
         sys.stdout.flush()
     else:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_name(f".{out.name}.tmp")
-        tmp.write_text(text)
-        tmp.replace(out)
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            tmp = out.with_name(f".{out.name}.tmp")
+            tmp.write_text(text)
+            tmp.replace(out)
+        except OSError as e:
+            fail(f"--out {str(out)!r}: cannot write: {e.strerror or e}")
         err_console.print(f"wrote {out}", soft_wrap=True)
     for n in notes:
         err_console.print(f"note: {n}", soft_wrap=True, markup=False, highlight=False)

@@ -164,7 +164,8 @@ def row_kernel(r) -> str:
 def kernel_dir(out_dir, kernel: str) -> Path:
     """Where ``kernel``'s tables live under a tables directory: ours at its top, the public
     kernel's in ``tpu-inference/`` (so our kernel's loader never meets them)."""
-    return Path(out_dir) if kernel == "rpa-tune" else Path(out_dir) / kernel
+    out = Path(out_dir)
+    return out if kernel == "rpa-tune" or out.name == kernel else out / kernel
 
 
 def _row_key(r) -> TuningKey:
@@ -255,6 +256,10 @@ def select_key(key: TuningKey, rows: list[dict], kernel: str = "rpa-tune") -> Ke
         promoted = True
         decision = (f"promoted: the heuristic {tuple(hbs)} failed for this key ({disq[hbs]})")
         heur_metric = None
+    elif heur is None and hbs is None and kernel != "rpa-tune":
+        promoted = True       # tpu-inference's get_default_block_sizes raises there (v4): no default runs
+        heur_metric = None
+        decision = f"promoted: {kernel} has no default block sizes for this key"
     elif heur is None:
         promoted = False
         heur_metric = None
@@ -327,14 +332,19 @@ def build_tables(df, *, workload_ids=(), kernel: str = "rpa-tune") -> tuple[dict
             bad += 1
             continue
         by_key.setdefault(k, []).append(r)
-    reports = [select_key(k, rows, kernel) for k, rows in sorted(by_key.items())]
+    reports = []
+    for k, rows in sorted(by_key.items()):
+        try:
+            reports.append(select_key(k, rows, kernel))
+        except TableError as e:     # e.g. a public decode winner with bq > 1 (a custom space): the
+            reports.append(KeyReport(k, None, f"no entry: {e}"))   # table schema takes our rules
     per_gen: dict[str, list[Entry]] = {}
     for rep in reports:
         if rep.entry is not None:
             per_gen.setdefault(rep.key.generation, []).append(rep.entry)
-    versions = sorted({_str(r.get("kernel_version")) or "" for r in records} - {""})
-    tables = {g: Table(tuple(es), info=table_info(g, kernel, versions[-1] if versions else None))
-              for g, es in sorted(per_gen.items())}
+    def version(es):      # the versions the entries were tuned with (provenance.kernel_hash)
+        return ", ".join(sorted({e.provenance.get("kernel_hash") or "" for e in es} - {""})) or None
+    tables = {g: Table(tuple(es), info=table_info(g, kernel, version(es))) for g, es in sorted(per_gen.items())}
     if bad:
         reports.append(KeyReport(None, None, f"{bad} result rows with an invalid key or block sizes skipped"))
     return tables, reports
@@ -387,7 +397,10 @@ def merge_tables(tables: dict[str, Table], out_dir, *, replace: bool = False
     merged, reports = {}, {}
     for g, new in tables.items():
         path = out_dir / f"{g}.json"
-        old = Table.read(path) if path.exists() else Table()
+        old = Table.read(path) if path.exists() else Table(info=new.info)
+        if old.kernel != new.kernel:
+            raise TableError(f"{path} is a table of kernel {old.kernel}, not {new.kernel} (its tables go "
+                             f"to {'the top of the tables directory' if new.kernel == 'rpa-tune' else new.kernel + '/'})")
         o, n = old.by_key(), new.by_key()
         rep = MergeReport(g)
         for k in sorted(set(o) | set(n)):

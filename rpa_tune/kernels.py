@@ -52,22 +52,25 @@ class TunedKernel:
         """Raise ``KernelError`` (one line with the install command) if it cannot be used."""
         if self.is_ours:
             return
-        from .public_kernel import PublicKernelMissing, check_installed
+        from .public_kernel import PublicKernelMissing, load_kernel_module
         try:
-            check_installed()
+            load_kernel_module()     # installed, the pinned version, and importable here
         except PublicKernelMissing as e:
             raise KernelError(str(e)) from None
 
-    def version(self) -> str:
-        """What a result row and a table record as the kernel's version."""
+    def version(self) -> str | None:
+        """What a result row and a table record as the kernel's version (None: the public
+        package is not installed here)."""
         if self.is_ours:
             from kernel.provenance import kernel_source_hash
             return kernel_source_hash()
         from .public_kernel import installed_version
-        return f"{PUBLIC}=={installed_version()}"
+        v = installed_version()
+        return None if v is None else f"{PUBLIC}=={v}"
 
-    def config_version(self) -> str:
-        """The kernel's part of a result's resume id (``store.config_id``)."""
+    def config_version(self) -> str | None:
+        """The kernel's part of a result's resume id (``store.config_id``); None when it
+        cannot be known here (then no row of that kernel counts as stale)."""
         if self.is_ours:
             from .provenance import kernel_hash
             return kernel_hash()

@@ -57,7 +57,7 @@ def wrong_configs(df) -> set:
 def winners(df, *, tpu=None, case=None, backend=None, top: int = 1) -> list[Group]:
     if df.empty:
         return []
-    from .kernels import get_kernel
+    from .kernels import KernelError, get_kernel
     wrong = wrong_configs(df)
     d = df
     if tpu is not None:
@@ -83,11 +83,14 @@ def winners(df, *, tpu=None, case=None, backend=None, top: int = 1) -> list[Grou
         first = g.iloc[-1]
         kern = first.get("kernel")
         kern = kern if isinstance(kern, str) and kern else "rpa-tune"   # null (older rows): ours
-        current = get_kernel(kern).config_version()
+        try:
+            current = get_kernel(kern).config_version()
+        except KernelError:     # a kernel this version does not know: nothing to compare with
+            current = None
         groups.append(Group(
             key={k: _py(first[k]) for k in KEY_COLUMNS}, key_id=key_id, workload_id=wid,
             workload=str(first["workload"]), backend=be, method=str(first["method"]), kernel_hash=str(latest),
-            stale=latest != current, counts={k: int(v) for k, v in counts.items()},
+            stale=current is not None and latest != current, counts={k: int(v) for k, v in counts.items()},
             rows=[_row(r) for _, r in ok.head(top).iterrows()],
             heuristic=_row(heur.iloc[-1]) if len(heur) else None, excluded_wrong=excluded, kernel=kern))
     order = {"v4": 0, "v5e": 1, "v5p": 2, "v6e": 3, "tpu7x": 4}

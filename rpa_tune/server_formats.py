@@ -94,6 +94,13 @@ def sglang_key(key: TuningKey, window: int | None) -> tuple:
             -(-key.head_dim // 128) * 128, _pow2(key.page_size), _pow2(key.max_num_tokens))
 
 
+def _on_bucket(key: TuningKey) -> bool:
+    """Whether the key's own values are those SGLang-JAX's normalisation gives (no rounding)."""
+    return (key.num_q_heads == _pow2(key.num_q_heads) and key.num_kv_heads == _pow2(key.num_kv_heads)
+            and key.head_dim % 128 == 0 and key.page_size == _pow2(key.page_size)
+            and key.max_num_tokens == _pow2(key.max_num_tokens))
+
+
 def _window(e: Entry) -> int | None:
     """The sliding window of an entry's sweep (its workload id ends in ``-sw<N>``)."""
     m = re.search(r"-sw(\d+)$", e.provenance.get("workload_id") or "")
@@ -106,10 +113,17 @@ def _pow2(n):
     return 1 << (int(n) - 1).bit_length()
 
 
+def _dtype_name(d):
+    if isinstance(d, str):
+        return d
+    import numpy as np
+    return np.dtype(d).name
+
+
 def lookup(device_name, stage, sliding_window, q_dtype, kv_dtype, num_q_heads, num_kv_heads, head_dim,
            page_size, max_num_tokens):
     """(bq, bkv, cq, ckv) for a call, normalised as SGLang-JAX's v3 lookup does; None if absent."""
-    key = (stage, sliding_window, str(q_dtype), str(kv_dtype), _pow2(num_q_heads), _pow2(num_kv_heads),
+    key = (stage, sliding_window, _dtype_name(q_dtype), _dtype_name(kv_dtype), _pow2(num_q_heads), _pow2(num_kv_heads),
            -(-int(head_dim) // 128) * 128, _pow2(page_size), _pow2(max_num_tokens))
     return TUNED_BLOCK_SIZES_V3.get(device_name, {}).get(key)
 '''
@@ -117,10 +131,11 @@ def lookup(device_name, stage, sliding_window, q_dtype, kv_dtype, num_q_heads, n
 
 def sglang_module(tables: dict[str, Table]) -> tuple[str, list[str]]:
     """(module source, notes). Notes name what was left out: entries not promoted, a
-    sliding-window entry whose window is unknown, and several of our keys (other
-    ``max_model_len``) that fall on one SGLang-JAX key (the first, smallest length, is kept)."""
+    sliding-window entry whose window is unknown, and several of our keys that fall on one
+    SGLang-JAX key (other ``max_model_len``, or head counts / page / tokens its lookup rounds
+    up): the one whose own values are the bucket's is kept, else the first in key order)."""
     per_dev: dict[str, dict[tuple, tuple]] = {}
-    notes, comments = [], {}
+    notes, comments, exact = [], {}, {}
     for e in sorted(_entries(tables), key=lambda e: e.key):
         window = _window(e) if e.key.sliding_window else None
         if not e.promoted:
@@ -132,8 +147,13 @@ def sglang_module(tables: dict[str, Table]) -> tuple[str, list[str]]:
         dev = sglang_device_name(e.key.generation)
         k = sglang_key(e.key, window)
         if k in per_dev.setdefault(dev, {}):
-            notes.append(f"{e.key.id()}: not written, {dev} {k} is already set by {comments[(dev, k)]}")
-            continue
+            if _on_bucket(e.key) and not _on_bucket(exact[(dev, k)]):
+                notes.append(f"{comments[(dev, k)]}: replaced on {dev} {k} by {e.key.id()}, whose own values are "
+                             "the bucket's")
+            else:
+                notes.append(f"{e.key.id()}: not written, {dev} {k} is already set by {comments[(dev, k)]}")
+                continue
+        exact[(dev, k)] = e.key
         per_dev[dev][k] = tuple(int(v) for v in e.block_sizes)
         comments[(dev, k)] = e.key.id()
     lines = ['"""' + _header(tables, "")[0].strip(), "", _header(tables, "")[1].strip(), "",

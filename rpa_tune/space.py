@@ -261,7 +261,7 @@ def check_config(cs: CaseSpace, bs: BlockSizes, ctx: dict, legality=None) -> tup
     ``legality``: the tuned kernel's rules (``rpa_tune.kernels.TunedKernel.block_size_errors``;
     default ours, ``kernel.block_size_errors``)."""
     errs = (legality or block_size_errors)(cs.case, bs, ctx["page_size"])
-    if errs:
+    if errs:    # (the tuned kernel's rules; the label groups them in the plan's reasons)
         return "illegal", "kernel.block_size_errors: " + errs[0]
     ns = dict(ctx, bq=bs.bq, bkv=bs.bkv, cq=bs.cq, ckv=bs.ckv)
     for r in cs.rules:

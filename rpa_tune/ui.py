@@ -125,7 +125,8 @@ def outcome_dict(o: Outcome) -> dict:
 
 def group_dict(g) -> dict:
     """One key's winners for ``show --json``."""
-    return dict(key=g.key, key_id=g.key_id, workload_id=g.workload_id, workload=g.workload, backend=g.backend,
+    return dict(key=g.key, key_id=g.key_id, kernel=g.kernel, workload_id=g.workload_id, workload=g.workload,
+                backend=g.backend,
                 method=g.method, kernel_hash=g.kernel_hash, stale=g.stale, counts=g.counts,
                 excluded_wrong=g.excluded_wrong, speedup=g.gain,
                 heuristic=None if not g.heuristic else dict(block_sizes=_bs_list(g.heuristic),

@@ -262,3 +262,36 @@ def test_compare_reports_each_kernels_best_and_the_ratio(tmp_path):
     assert c["best"][PUB]["block_sizes"] == [1, 1024, 1, 1024]
     assert c["ratio"] == pytest.approx(0.8)
     assert np.isclose(c["heuristic"][PUB]["metric"], 2e-4)
+
+
+def test_a_table_of_the_other_kernel_is_never_overwritten(tmp_path):
+    """Exporting our rows into the public kernel's table directory (or the reverse) is refused
+    in one line, and the existing table is left as it was."""
+    from tables_synth import row as our_row
+    res, tables = tmp_path / "res", tmp_path / "tables"
+    write_results(res, _public_rows())
+    assert run(["export", "-r", str(res), "--kernel", PUB, "-o", str(tables)]).returncode == 0
+    public_file = tables / PUB / "v6e.json"
+    before = public_file.read_bytes()
+    ours = tmp_path / "ours"
+    kk = key("v6e", "decode", t=64)
+    write_results(ours, [our_row(kk, (1, 512, 1, 512), 1e-4, is_heuristic=False, config_id="o1", workload="w")])
+    r = run(["export", "-r", str(ours), "-o", str(tables / PUB)])
+    assert r.returncode == 2 and "a table of kernel tpu-inference" in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and public_file.read_bytes() == before
+    # --out naming the kernel's own directory is not nested once more
+    assert run(["export", "-r", str(res), "--kernel", PUB, "-o", str(tables / PUB)]).returncode == 0
+    assert not (tables / PUB / PUB).exists() and public_file.read_bytes() == before
+
+
+def test_sglang_bucket_keeps_the_key_whose_values_are_the_buckets():
+    from kernel.tables import Table
+    from rpa_tune.server_formats import sglang_module
+    from tables_synth import entry
+    a = entry(key("v6e", "decode", hq=24, t=64), (1, 512, 1, 512))      # 24 heads: looked up as 32
+    b = entry(key("v6e", "decode", hq=32, t=64), (1, 1024, 1, 1024))
+    text, notes = sglang_module({"v6e": Table((a, b), info={"kernel": PUB})})
+    ns = {}
+    exec(text, ns)
+    assert ns["lookup"]("TPU v6e", "d", None, "bfloat16", "bfloat16", 32, 8, 128, 128, 64) == (1, 1024, 1, 1024)
+    assert any("replaced" in n for n in notes)

@@ -120,6 +120,12 @@ def _lookup_cached(case, generation, q_dtype, kv_dtype, hq, hkv, d, page_size, t
 
 
 # ------------------------------------------------------- bring-up of tpu-inference's RPA v3
+def _dtype_name(d) -> str:
+    """A dtype's name ("bfloat16") from a name, a NumPy / JAX dtype or scalar type."""
+    if isinstance(d, str):
+        return d
+    import numpy as np
+    return np.dtype(d).name
 def block_sizes_for(*, kernel: str = PUBLIC_KERNEL, generation: str, q_dtype: str, kv_dtype: str,
                     num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
                     max_num_tokens: int, pages_per_seq: int, sliding_window=None) -> dict:
@@ -132,7 +138,7 @@ def block_sizes_for(*, kernel: str = PUBLIC_KERNEL, generation: str, q_dtype: st
     the shipped ``tables/tpu-inference/``; exact key, then the bucketing rule), and
     otherwise nothing: the kernel's own default applies (``get_default_block_sizes``).
     A malformed variable raises ``ValueError`` naming it; a bad table is skipped with a
-    warning. ``q_dtype`` / ``kv_dtype`` are dtype names ("bfloat16", "float8_e4m3fn")."""
+    warning. ``q_dtype`` / ``kv_dtype``: dtypes or their names ("bfloat16", "float8_e4m3fn")."""
     from .env import ENV_PUBLIC_BLOCK_SIZES, env_block_sizes
     if kernel != PUBLIC_KERNEL:
         raise ValueError(f"block_sizes_for serves kernel {PUBLIC_KERNEL!r}, got {kernel!r} (this project's "
@@ -144,7 +150,8 @@ def block_sizes_for(*, kernel: str = PUBLIC_KERNEL, generation: str, q_dtype: st
         if env is not None:
             out[arg] = tuple(env[0])
             continue
-        key = TuningKey(generation=generation, case=case.value, q_dtype=str(q_dtype), kv_dtype=str(kv_dtype),
+        key = TuningKey(generation=generation, case=case.value, q_dtype=_dtype_name(q_dtype),
+                        kv_dtype=_dtype_name(kv_dtype),
                         num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                         page_size=page_size, max_num_tokens=max_num_tokens,
                         max_model_len=pages_per_seq * page_size, sliding_window=sliding_window is not None)

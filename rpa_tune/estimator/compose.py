@@ -232,7 +232,7 @@ def _cache_key(doc: dict) -> str:
 
 
 OURS = "rpa_tune.estimator.ours:lower"
-PROBE_VERSION = "4"     # the probe workloads (``probes``) and their audit; the fit is redone from cached cycles
+PROBE_VERSION = "3"     # the probe workloads (``probes``); the fit is redone from cached cycles
 # How many probes of one config compile at once (default 1); the sweep sets it per worker.
 PROBE_WORKERS_ENV = "RPA_TUNE_PROBE_WORKERS"
 
@@ -273,6 +273,10 @@ def probe_config(*, builder: str, case: Case | str, bs: BlockSizes, tpu: str, mo
     if fast:
         doc["profiler"] = "fast_forward"
     walk_new = builder != OURS and case == Case.DECODE      # its decode probes differ (pipeline_steps)
+    if builder != OURS:
+        # its probes' audit counts run-time-sized page DMAs at one page (audit doc), and its
+        # decode probes differ; ours are cached as before
+        doc["public_audit"] = "page-bound"
     if walk_new:
         doc["walk_new"] = True
     source = kernel_hash()       # what the cache key holds; every probe must have compiled it
@@ -308,7 +312,7 @@ def probe_config(*, builder: str, case: Case | str, bs: BlockSizes, tpu: str, mo
         w = p.workload(case)
         req = dict(doc, workload=dict(q_lens=list(w.q_lens), kv_lens=list(w.kv_lens),
                                       distribution=list(w.distribution)), block_sizes=list(bs))
-        for k in ("builder", "bs", "profiler", "walk_new"):
+        for k in ("builder", "bs", "profiler", "walk_new", "public_audit"):
             req.pop(k, None)
         # A decode probe of two full steps is longer than a key's max_model_len when bkv is
         # half of it (bkv 4096 at 8K): the probe's limits admit it. max_model_len only sizes
