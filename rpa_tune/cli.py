@@ -218,6 +218,14 @@ def _build_specs(*, tpu, case, model, q_heads, kv_heads, head_dim, dtype, kv_dty
 
 
 # ============================================================================= show
+def _results_store(results: Path):
+    """The results store ``show``, ``compare`` and ``verify`` read; exit 2 if there is none."""
+    if not results.is_dir():
+        fail(f"no results directory {str(results)!r} (run `rpa-tune sweep` first or pass --results DIR)")
+    from .store import ResultStore
+    return ResultStore(results)
+
+
 # the options show and compare read results with
 ResultsDir = Annotated[Path, typer.Option("--results", help="Results directory to read.")]
 CaseFilter = Annotated[Optional[CaseChoice], typer.Option("--case", case_sensitive=False,
@@ -236,12 +244,9 @@ def show(
     json_out: JsonFlag = False,
 ):
     """Best configs per tuning key as a table, with status counts and the gain over the heuristic."""
-    if not results.is_dir():
-        fail(f"no results directory {str(results)!r} (run `rpa-tune sweep` first or pass --results DIR)")
+    df = _results_store(results).read()
     from . import ui
     from .report import winners
-    from .store import ResultStore
-    df = ResultStore(results).read()
     groups = winners(df, tpu=tpu, case=value(case), backend=value(backend), top=top)
     if json_out:
         ui.print_json([ui.group_dict(g) for g in groups])
@@ -264,12 +269,10 @@ def compare(
 ):
     """This project's kernel against tpu-inference's RPA v3, per key tuned for both: each at
     its best, the same workload and method, and the ratio."""
-    if not results.is_dir():
-        fail(f"no results directory {str(results)!r} (run `rpa-tune sweep` first or pass --results DIR)")
+    df = _results_store(results).read()
     from . import ui
     from .report import compare_kernels
-    from .store import ResultStore
-    rows = compare_kernels(ResultStore(results).read(), tpu=tpu, case=value(case), backend=value(backend))
+    rows = compare_kernels(df, tpu=tpu, case=value(case), backend=value(backend))
     if json_out:
         ui.print_json([ui.comparison_dict(c) for c in rows])
     elif rows:
@@ -295,12 +298,9 @@ def verify(
     A config found wrong is recorded as wrong_result and is never shown as a winner again.
     Exit code 1 when any config is wrong.
     """
-    if not results.is_dir():
-        fail(f"no results directory {str(results)!r} (run `rpa-tune sweep` first or pass --results DIR)")
+    store = _results_store(results)
     from . import ui
     from .report import verify_winners
-    from .store import ResultStore
-    store = ResultStore(results)
     rows = verify_winners(store, tpu=tpu, case=value(case), top=top, jobs=jobs, timeout=timeout,
                           progress=ui.VerifyProgress())
     if not rows:

@@ -156,11 +156,6 @@ def heuristic_for(key: TuningKey, kernel: str = "rpa-tune") -> BlockSizes | None
     return get_kernel(kernel).heuristic(key)
 
 
-def row_kernel(r) -> str:
-    """The kernel of a results row (rows written before there were two are ours)."""
-    return _str(r.get("kernel")) or "rpa-tune"
-
-
 def kernel_dir(out_dir, kernel: str) -> Path:
     """Where ``kernel``'s tables live under a tables directory: ours at its top, the public
     kernel's in ``tpu-inference/`` (so our kernel's loader never meets them)."""
@@ -321,7 +316,8 @@ def build_tables(df, *, workload_ids=(), kernel: str = "rpa-tune") -> tuple[dict
     several workloads otherwise uses the newest, and its report lists the others)."""
     by_key: dict[TuningKey, list] = {}
     bad = 0
-    records = [r for r in df.to_dict("records") if row_kernel(r) == kernel]
+    from .kernels import row_kernel
+    records = [r for r in df.to_dict("records") if row_kernel(r.get("kernel")) == kernel]
     if workload_ids:
         records = [r for r in records if any(str(r.get("workload_id") or "").startswith(w) for w in workload_ids)]
     for r in records:

@@ -104,6 +104,12 @@ def get_kernel(name: str | None) -> TunedKernel:
         raise KernelError(f"unknown kernel {name!r}; valid: {', '.join(KERNELS)}") from None
 
 
+def row_kernel(value) -> str:
+    """The kernel a results row names (its ``kernel`` column); null, NaN or missing (rows
+    written before there were two kernels) is ours."""
+    return value if isinstance(value, str) and value else OURS
+
+
 def key_id(key: TuningKey, kernel: str) -> str:
     """A results row's ``key_id``: the key's id, prefixed by the kernel unless it is ours
     (our rows keep the ids they always had)."""

@@ -57,7 +57,7 @@ def wrong_configs(df) -> set:
 def winners(df, *, tpu=None, case=None, backend=None, top: int = 1) -> list[Group]:
     if df.empty:
         return []
-    from .kernels import KernelError, get_kernel
+    from .kernels import KernelError, get_kernel, row_kernel
     wrong = wrong_configs(df)
     d = df
     if tpu is not None:
@@ -81,8 +81,7 @@ def winners(df, *, tpu=None, case=None, backend=None, top: int = 1) -> list[Grou
         ok = ok.sort_values(["metric", "bq", "bkv", "cq", "ckv"])
         heur = g[g["is_heuristic"].fillna(False).astype(bool) & (g["status"] == base.OK)]
         first = g.iloc[-1]
-        kern = first.get("kernel")
-        kern = kern if isinstance(kern, str) and kern else "rpa-tune"   # null (older rows): ours
+        kern = row_kernel(first.get("kernel"))
         try:
             current = get_kernel(kern).config_version()
         except KernelError:     # a kernel this version does not know: nothing to compare with

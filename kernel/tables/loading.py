@@ -60,8 +60,11 @@ def kernel_version(kernel: str) -> str | None:
         return None
 
 
-def _compat_filter(table: Table, path: str, strict: bool, warn) -> Table:
-    cur_hash, cur_libtpu = kernel_version(table.kernel), libtpu_version()
+def _compat_filter(table: Table, path: str, strict: bool, warn, cur_hash: str | None) -> Table:
+    """``table`` with a warning (or, strict, without the entries) for entries tuned for
+    another kernel version than ``cur_hash`` (``kernel_version``; None: not checked) or
+    another libtpu."""
+    cur_libtpu = libtpu_version()
     bad_hash = sorted({e.provenance.get("kernel_hash") for e in table.entries
                        if cur_hash is not None and e.provenance.get("kernel_hash") not in (None, cur_hash)})
     bad_lib = sorted({e.provenance.get("libtpu_version") for e in table.entries
@@ -115,6 +118,7 @@ def load_tables(paths: Iterable | None = None, *, shipped: bool | None = None,
         strict = _strict()
     index = TableIndex()
     files = []
+    current = kernel_version(kernel)
     sources = [(Path(p).expanduser(), True) for p in paths]
     if shipped:
         d = shipped_table_dir()
@@ -148,10 +152,9 @@ def load_tables(paths: Iterable | None = None, *, shipped: bool | None = None,
                 continue
             for msg in rejected:
                 warn(f"rpa table {f}: {msg}; ignoring this entry (the heuristic applies for its key)")
-            current = kernel_version(kernel)
             other = sum(1 for e in table.entries
                         if current is not None and e.provenance.get("kernel_hash") not in (None, current))
-            table = _compat_filter(table, str(f), strict, warn)
+            table = _compat_filter(table, str(f), strict, warn, current)
             n = index.add(table, str(f))
             files.append((str(f), f"ok: {n} entries" + (f", {len(rejected)} rejected" if rejected else "")
                           + (f", {other} tuned for another kernel version" if other else "")))
