@@ -42,9 +42,9 @@ with the window), page 128, and a whole causal prefill of 1024 tokens (not with 
 window: 1024 tokens see at most 1024). Options reach both builders as the request's
 ``options`` (``sliding_window``, ``k_scale``, ``v_scale``). The public kernel is its
 ``kernel.py`` for every head_dim (tpu-inference serves head_dim 64 with another module,
-``kernel_hd64.py``, which ``rpa_tune.estimator.public`` does not lower). The time model's
-byte count (``kernel.metrics.hbm_bytes``) reads the whole context even with a sliding
-window, so a window row is repeated with the bytes of the window (``windowed_time``).
+``kernel_hd64.py``, which ``rpa_tune.estimator.public`` does not lower). With a sliding
+window the time model's byte count (``kernel.metrics.hbm_bytes``) is the keys the queries
+see, so the memory bound and MBU are the window's.
 
     python benchmarks/vs_public.py --variants --tpu v6e [--tpu tpu7x ...] [--only decode]
 
@@ -362,35 +362,10 @@ def variant_rows(gens, only):
                     for k in KERNELS}, v
 
 
-def windowed_time(cycles: float, w: Workload, variant: Variant, gen: str, case: Case) -> dict:
-    """``audit.time_model`` with the memory bound taken at the bytes a sliding window needs:
-    its byte count (``kernel.metrics.hbm_bytes``) reads every sequence's whole context.
-    Bytes here: the KV tokens some query of the sequence sees (``min(kv, window + q - 1)``)
-    plus the new tokens' K/V written and Q read / O written, as ``hbm_bytes`` counts them."""
-    from kernel.hardware import tpu_info
-    t = audit.time_model(cycles, w, variant.model, gen, case, variant.sliding_window)
-    m, win = variant.model, variant.sliding_window
-    lo, hi = w.case_range(case)
-    kvb, qb = np.dtype(m.kv_dtype).itemsize, np.dtype(m.q_dtype).itemsize
-    nbytes = sum((min(kv, win + q - 1) + q) * 2 * m.num_kv_heads * m.head_dim * kvb
-                 + q * 2 * m.num_q_heads * m.head_dim * qb
-                 for q, kv in zip(w.q_lens[lo:hi], w.kv_lens[lo:hi]))
-    bw = tpu_info(gen).mem_bw_bytes_per_second
-    mem_s = nbytes / bw
-    time_s = max(t["estimate_s"], mem_s, t["compute_bound_s"])
-    bound = "estimate" if time_s == t["estimate_s"] else ("memory" if time_s == mem_s else "compute")
-    return dict(t, memory_bound_s=mem_s, time_s=time_s, active_bound=bound, hbm_bytes=nbytes,
-                mbu=nbytes / time_s / bw, mfu=t["flops"] / time_s / tpu_info(gen).bf16_ops_per_second,
-                rate_ok=t["estimate_s"] * audit.RATE_TOLERANCE >= max(mem_s, t["compute_bound_s"]))
-
-
-def best(ests: dict, w: Workload, case: Case, gen: str, variant: Variant = BASE, windowed: bool = False):
+def best(ests: dict, w: Workload, case: Case, gen: str, variant: Variant = BASE):
     """The config with the least modelled time among complete-audit estimates (an incomplete
-    one wins only when no candidate is complete, and is marked). ``windowed``: time from
-    ``windowed_time``."""
+    one wins only when no candidate is complete, and is marked)."""
     def tm(e):
-        if windowed:
-            return windowed_time(e.cycles, w, variant, gen, case)
         return audit.time_model(e.cycles, w, variant.model, gen, case, variant.sliding_window)
     ok = [(bs, e, tm(e)) for bs, e in ests.items() if e.status == "ok"]
     if not ok:
@@ -463,17 +438,11 @@ def main() -> None:
              "|---|---|---:|---:|---|---:|---:|---|---:|"]
     notes = []
     for gen, name, case, w, per, v in (variant_rows if args.variants else rows)(gens, args.only):
-        for windowed in (False, True) if v.sliding_window else (False,):
-            b = {k: best(per[k], w, case, gen, v, windowed) for k in KERNELS}
-            o, p = fmt_cell(b["ours"]), fmt_cell(b["public"])
-            ratio = f"{b['ours'][2]['time_s'] / b['public'][2]['time_s']:.2f}" if b["ours"] and b["public"] else ""
-            label = f"{name}{' (bytes of the window)' if windowed else ''}"
-            lines.append(f"| {gen} | {label} | {' | '.join(o)} | {' | '.join(p)} | {ratio} |")
-            print(lines[-1], flush=True)
-        if v.sliding_window:
-            notes.append(f"- {gen} {name}: the first row's times use `audit.time_model`, whose byte count "
-                         "(`kernel.metrics.hbm_bytes`) reads the whole context despite the window; the second "
-                         "row's memory bound counts the window's bytes (`windowed_time`).")
+        b = {k: best(per[k], w, case, gen, v) for k in KERNELS}
+        o, p = fmt_cell(b["ours"]), fmt_cell(b["public"])
+        ratio = f"{b['ours'][2]['time_s'] / b['public'][2]['time_s']:.2f}" if b["ours"] and b["public"] else ""
+        lines.append(f"| {gen} | {name} | {' | '.join(o)} | {' | '.join(p)} | {ratio} |")
+        print(lines[-1], flush=True)
         for k in KERNELS:
             for bs, e in per[k].items():
                 if e.status != "ok":

@@ -182,7 +182,6 @@ def lower_for_estimate(workload: Workload, block_sizes, tpu: str, model: ModelSh
     case = Case.parse(case)
     bsd = block_sizes if isinstance(block_sizes, dict) else {case: block_sizes}
     bsd = _block_dict(bsd)
-    bs = bsd.get(case)
     lo, hi = workload.case_range(case)
     if hi == lo:
         raise ValueError(f"workload has no {case.value} sequences (distribution={workload.distribution})")

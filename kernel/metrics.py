@@ -2,8 +2,8 @@
 
 Definitions (RPA paper, section 4):
 
-* bytes moved by one call: every sequence reads its ``kv_len`` tokens of merged K+V for
-  all KV heads (``2 * Hkv * D * kv_bytes`` per token), writes its ``q_len`` new tokens
+* bytes moved by one call: every sequence reads its ``kv_len`` tokens (with a sliding
+  window, the ones its queries see) of merged K+V for all KV heads (``2 * Hkv * D * kv_bytes`` per token), writes its ``q_len`` new tokens
   into the cache, reads Q and writes O (``2 * Hq * D * q_bytes`` per query token). For
   decode with equal context lengths this is exactly the paper's
   ``n * dk * [(ctx + 1) * 2 * hkv + 2 * hq] * bytes``.
@@ -28,14 +28,18 @@ def _seqs(workload: Workload, case: Case | None):
     return list(zip(workload.q_lens[lo:hi], workload.kv_lens[lo:hi]))
 
 
-def hbm_bytes(workload: Workload, model: ModelShape, case: Case | None = None) -> int:
+def hbm_bytes(workload: Workload, model: ModelShape, case: Case | None = None,
+              sliding_window: int | None = None) -> int:
+    """Bytes moved (module doc). With a sliding window a sequence reads only the keys some
+    query of it sees, the last ``min(kv_len, q_len + window - 1)`` tokens."""
     kvb = np.dtype(model.kv_dtype).itemsize
     qb = np.dtype(model.q_dtype).itemsize
     d = model.head_dim
     total = 0
     for q, kv in _seqs(workload, case):
-        total += (kv + q) * 2 * model.num_kv_heads * d * kvb   # read all KV, write the new tokens
-        total += q * 2 * model.num_q_heads * d * qb             # read Q, write O
+        read = min(kv, q + sliding_window - 1) if sliding_window else kv
+        total += (read + q) * 2 * model.num_kv_heads * d * kvb  # read the visible KV, write the new tokens
+        total += q * 2 * model.num_q_heads * d * qb              # read Q, write O
     return int(total)
 
 

@@ -23,9 +23,9 @@ Design (after the RPA paper, written for this project):
   rows beyond a sequence's end are masked rather than sliced. Dynamic-length cache
   writes are decomposed into power-of-two row counts.
 * Compute: for each KV chunk (``ckv``) and KV head, K and V are split out of the merged
-  block once (bf16: one sublane-strided load of (K, V) uint32 words and a shift / mask),
-  then every q chunk (``cq``) of the block runs one online-softmax (FlashAttention-2)
-  update in f32.
+  block once (one sublane-strided load of uint32 words per packed row, then integer ops:
+  bf16 a shift and two packs, fp8 a bit-exact conversion to bf16), then every q chunk
+  (``cq``) of the block runs one online-softmax (FlashAttention-2) update in f32.
 
 The analysis mode (``static_meta``) replaces the scalar metadata by a concrete workload's,
 stored at static SMEM addresses (and in closed form inside a loop over like sequences),
@@ -37,7 +37,6 @@ import dataclasses
 import functools
 import math
 import typing
-from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -254,7 +253,7 @@ def _bf16_of_low_bits(w):
     return pltpu.bitcast(w.astype(jnp.uint16), jnp.bfloat16)
 
 
-def _split_words(w, v_scale, v_ok=None):
+def _split_words(w, v_ok=None):
     """bf16 K/V pairs packed in uint32 words -> (K, V) bf16.
 
     A word holds the K element (low 16 bits) and the V element (high 16 bits) of one
@@ -267,21 +266,40 @@ def _split_words(w, v_scale, v_ok=None):
     (LLO type check: "Expected vector-int16, got vector-int32" at a vunpack)."""
     if v_ok is not None:
         w = jnp.where(v_ok, w, jnp.zeros_like(w))
-    k = _bf16_of_low_bits(w)
-    v = _bf16_of_low_bits(w >> 16)
-    if v_scale is not None:
-        v = (v.astype(jnp.float32) * v_scale).astype(jnp.bfloat16)
-    return k, v
+    return _bf16_of_low_bits(w), _bf16_of_low_bits(w >> 16)
 
 
-def _bf16_exact(x):
-    """f32 ``x`` holding bf16 values (K read from a bf16 or fp8 cache) -> bf16, by dropping
-    the low 16 bits of each word (exact for such values). A float conversion (``vpack``)
-    would type the result as packed bf16 in LLO, and the transpose of K for q @ K^T
-    unpacks it as 16-bit integers: with the profiler on, every generation's compiler then
-    fails its LLO type check ("Expected vector-int16, got vector-bf16packed" at a
-    ``vunpack``), and fp8 KV could not be estimated."""
-    return _bf16_of_low_bits(jax.lax.bitcast_convert_type(x, jnp.uint32) >> 16)
+# float8_e4m3fn: sign, 4 exponent bits (bias 7), 3 mantissa bits; bf16: sign, 8 (bias 127), 7.
+_E4M3_REBIAS = (127 - 7) << 7          # the exponent bias difference, at bf16's exponent field
+
+
+def _e4m3_bf16_bits(t):
+    """uint32 whose low 8 bits are a float8_e4m3fn -> uint32 holding the same value's bf16
+    bits in its low 16 bits (exact: bf16 holds every e4m3 value, subnormals included).
+
+    Integer ops only, but for the subnormals: a normal e4m3 (exponent field 1-15) moves its
+    exponent and mantissa fields up by 4 bits and re-biases the exponent; a subnormal (field
+    0) is its 3-bit mantissa times 2^-9, converted from the integer (exact in f32, whose top
+    16 bits are then its bf16). Every byte maps to a finite value: the NaN encodings
+    (0x7f / 0xff) become +-480, so rows past a sequence's end (any bytes) never put a NaN
+    into the PV product and need no mask. Why not the compiler's fp8 conversion: the K / V
+    bytes of one head are every 4th byte of the block, and a strided fp8 load or a
+    bitcast to fp8 of integer bytes fails libtpu's LLO type check with the static profiler
+    on ("Expected vector-f8e4m3b11, got vector-int8" at a vunpack), so such a kernel could
+    not be estimated; an f32 op on an integer bitcast fails it too, hence the conversion
+    for the subnormal mantissa."""
+    m = t & 0x7F                                            # exponent and mantissa fields
+    normal = (m << 4) + _E4M3_REBIAS
+    tiny = jax.lax.bitcast_convert_type(m, jnp.int32).astype(jnp.float32) * (2.0 ** -9)
+    tiny = jax.lax.bitcast_convert_type(tiny, jnp.uint32) >> 16
+    return jnp.where(m < 8, tiny, normal) | ((t & 0x80) << 8)
+
+
+def _split_e4m3_words(w, j: int):
+    """float8_e4m3fn K/V of two heads packed in uint32 words -> (K, V) bf16 of head ``j``
+    (0 or 1): a word holds (k_0, v_0, k_1, v_1) of one lane, lowest byte first."""
+    t = w >> (16 * j) if j else w
+    return _bf16_of_low_bits(_e4m3_bf16_bits(t)), _bf16_of_low_bits(_e4m3_bf16_bits(t >> 8))
 
 
 def _row_tile(rows: int, ckv: int, budget_vregs: int) -> int:
@@ -328,7 +346,6 @@ class _Geometry:
     q_fold: float            # folded into q once per q block (see load_q)
     base2: bool              # scores in base 2 (exp2) rather than e
     row_tile: int            # q rows per online-softmax update
-    word_split: bool         # bf16 KV: K / V split from uint32 words (kv_words)
     buf_rows: int            # packed rows per token in the KV block buffer
 
     @classmethod
@@ -346,7 +363,7 @@ class _Geometry:
                    decode=spec.case == Case.DECODE, heads_per_row=pk // 2 if pk >= 2 else 1,
                    window=spec.sliding_window, q_fold=scale * (math.log2(math.e) if base2 else 1.0),
                    base2=base2, row_tile=_row_tile(cq * spec.group, ckv, spec.score_tile_vregs),
-                   word_split=pk == 2 and Dp % LANES == 0, buf_rows=kv_buffer_rows(spec.kv_rows))
+                   buf_rows=kv_buffer_rows(spec.kv_rows))
 
     def exp(self, x):
         return jnp.exp2(x) if self.base2 else jnp.exp(x)
@@ -651,27 +668,19 @@ class _Attention:
         for row in self.row_tiles(y):
             self.pv_update(h, row, *self.qk_softmax(h, row, q_first, k, k_pos, key_end), v)
 
-    def split_kv(self, kv, j):
-        """kv: f32 (n, ps, pk, Dp) of one packed row -> K, V (n*ps, Dp) of its j-th head.
-        (k_scale is folded into the score scale; v_scale is applied here.)"""
-        k = kv[:, :, 2 * j, :].reshape(-1, self.g.Dp)
-        v = kv[:, :, 2 * j + 1, :].reshape(-1, self.g.Dp)
-        if self.g.spec.v_scale is not None:
-            v = v * self.g.spec.v_scale
-        return k, v
-
-    # bf16 KV (packing 2): each (K, V) pair of a head is one uint32 word, so one head's K
-    # and V rows of a chunk are one sublane-strided load (stride = packed rows) of the
-    # block viewed as uint32 (Mosaic's ref bitcast, like pltpu.bitcast, packs rows 2i,
-    # 2i+1 into word i). Mosaic's strided load needs a base ref with a 128-lane last dim:
+    # K / V from uint32 words. bf16 KV (packing 2): each (K, V) pair of a head is one
+    # word; fp8 KV (packing 4): each word holds the (K, V) pairs of two heads. So one packed
+    # row's K and V rows of a chunk are one sublane-strided load (stride = packed rows per
+    # token) of the block viewed as uint32 (Mosaic's ref bitcast, like pltpu.bitcast, packs
+    # rows pk*i .. pk*i + pk - 1 into word i, the first lowest). Mosaic's strided load needs a base ref with a 128-lane last dim:
     # for head_dim > 128 the word rows are viewed as Dp / 128 rows of 128 lanes (a
     # row-major reshape) and each lane tile is one strided load. The interpreter cannot
     # load through a reshaped / bitcast ref: there the same view is built as a value
     # (pltpu.bitcast, reshape) and each strided load is a dynamic slice taken every
     # ``stride`` rows, from the same start and stride (tests/test_kernel_interpret.py runs
     # it; tests/test_kernel_deviceless.py checks the compiled path's Mosaic ops and shapes).
-    def kv_words(self, kvslot, x, h):
-        """uint32 (ckv, Dp): word t = (K, V) of head h at row t of chunk x."""
+    def kv_words(self, kvslot, x, kv_row):
+        """uint32 (ckv, Dp): word t = packed row ``kv_row`` of token t of chunk x."""
         g, kv_buf = self.g, self.refs.kv_buf
         bkv, ckv, Dp, buf_rows = g.bkv, g.ckv, g.Dp, g.buf_rows
         if self.interpret:
@@ -685,16 +694,20 @@ class _Attention:
 
             def strided(rows, start, stride):
                 return rows[pl.ds(start, ckv, stride=stride), :]
-        row0 = x * (ckv * buf_rows) + h      # word row of (K, V) of head h, token 0
+        row0 = x * (ckv * buf_rows) + kv_row     # word row of packed row kv_row, token 0
         if Dp == LANES:
             return strided(words, row0, buf_rows)
         nt = Dp // LANES                     # word row r, lane tile j -> row r * nt + j
         tiles = words.reshape(bkv * buf_rows * nt, LANES)
         return jnp.concatenate([strided(tiles, row0 * nt + j, buf_rows * nt) for j in range(nt)], axis=1)
 
-    def kv_of_head(self, kvslot, x, h, row_ok):
-        """bf16 (K, V) of head h in chunk x (word split); rows not ``row_ok`` zeroed in V."""
-        return _split_words(self.kv_words(kvslot, x, h), self.g.spec.v_scale, row_ok)
+    def kv_of_head(self, kvslot, x, h: int, row_ok):
+        """bf16 (K, V) of head h in chunk x, unscaled (k_scale is folded into q, v_scale into
+        the output). bf16: V's rows not ``row_ok`` are zeroed (their bits may be a NaN); an
+        fp8 byte is never a NaN here (``_e4m3_bf16_bits``)."""
+        if self.g.pk == 2:
+            return _split_words(self.kv_words(kvslot, x, h), row_ok)
+        return _split_e4m3_words(self.kv_words(kvslot, x, h // 2), h % 2)
 
     def compute_step(self, info, i, k_step, kvslot, c0, nc, n0):
         """Attend q block i of the sequence (``info``) to KV step k_step, in KV slot kvslot."""
@@ -726,7 +739,7 @@ class _Attention:
             return k_pos, limit, rows < limit
 
         def decode_chunk(x, state, masked=True):
-            """Decode, bf16: chunk x against every head; state = per head (m, l, acc)."""
+            """Decode: chunk x against every head; state = per head (m, l, acc)."""
             k_pos, key_end, row_ok = chunk_keys(x, masked)
             # Every head's scores and softmax are issued before any head's PV product. The
             # MXU hands results back in issue order, so a PV issued right after its own
@@ -758,57 +771,29 @@ class _Attention:
                 # 3.6x on TPU7x).
                 _loop(0, g.n_qchunks, qc, 0, unroll_static=not spec.bs.q_chunk_loop)
 
-            if g.word_split:
-                if spec.bs.q_chunk_loop:
-                    for h in range(Hkv):
-                        attend(h, *self.kv_of_head(kvslot, x, h, row_ok))
-                    return carry
-                # The heads' and q chunks' tiles are software-pipelined in program order,
-                # the PV product of one tile issued after the scores of the next, so the
-                # MXU has independent work while a tile's softmax runs (v6e, (128, 512,
-                # 128, 256): 1K causal prefill 125.5k -> 121.1k cycles, 512 causal 46.1k
-                # -> 44.8k). Holding more tiles' scores (as decode does) does not fit: a
-                # prefill tile is up to 256 vregs.
-                pending = None
+            if spec.bs.q_chunk_loop:
                 for h in range(Hkv):
-                    kk, vv = self.kv_of_head(kvslot, x, h, row_ok)
-                    for y in range(g.n_qchunks):
-                        for row in self.row_tiles(y):
-                            p, alpha = self.qk_softmax(h, row, q_first, kk, k_pos, key_end)
-                            if pending is not None:
-                                pending()
-                            pending = functools.partial(self.pv_update, h, row, p, alpha, vv)
-                pending()
+                    attend(h, *self.kv_of_head(kvslot, x, h, row_ok))
                 return carry
-
-            def head_row(kv_row, carry2):
-                kv = r.kv_buf[kvslot, pl.ds(x * g.pages_per_chunk, g.pages_per_chunk), :, kv_row]
-                kv = kv.astype(jnp.float32)
-                for j in range(g.heads_per_row):
-                    h = kv_row * g.heads_per_row + j
-                    if isinstance(h, int) and h >= Hkv:
-                        break
-                    kk, vv = self.split_kv(kv, j)
-                    vv = jnp.where(row_ok, vv, 0.0)
-                    kk = _bf16_exact(kk)
-                    vv = vv.astype(jnp.bfloat16)
-                    fn = functools.partial(attend, h, kk, vv)
-                    if isinstance(h, int) or Hkv % g.heads_per_row == 0:
-                        fn()
-                    else:
-                        pl.when(h < Hkv)(fn)
-                return carry2
-
-            # Up to four head rows are unrolled, more are a loop, in analysis as in
-            # serving. (Earlier kernels unrolled this loop and the q-chunk loop in analysis
-            # mode only: as loops, libtpu's static profiler on TPU7x could abort once more
-            # than 49 iterations ran ("Cannot schedule FIFO push instruction when the FIFO
-            # is full. FIFO name: kTrf1"). A config that hits it is recorded as a profiler
-            # crash, not priced as another program.)
-            _loop(0, spec.kv_rows, head_row, 0, unroll_static=spec.kv_rows <= 4)
+            # The heads' and q chunks' tiles are software-pipelined in program order,
+            # the PV product of one tile issued after the scores of the next, so the
+            # MXU has independent work while a tile's softmax runs (v6e, (128, 512,
+            # 128, 256): 1K causal prefill 125.5k -> 121.1k cycles, 512 causal 46.1k
+            # -> 44.8k). Holding more tiles' scores (as decode does) does not fit: a
+            # prefill tile is up to 256 vregs.
+            pending = None
+            for h in range(Hkv):
+                kk, vv = self.kv_of_head(kvslot, x, h, row_ok)
+                for y in range(g.n_qchunks):
+                    for row in self.row_tiles(y):
+                        p, alpha = self.qk_softmax(h, row, q_first, kk, k_pos, key_end)
+                        if pending is not None:
+                            pending()
+                        pending = functools.partial(self.pv_update, h, row, p, alpha, vv)
+            pending()
             return carry
 
-        if g.decode and g.word_split:
+        if g.decode:
             # The chunks wholly below the limit need no key mask and no V-row mask (their
             # rows are all cached tokens); only the last one can be partial. The heads' m,
             # l and acc (a few vregs each) are carried through the chunk loop as values and
@@ -820,8 +805,6 @@ class _Attention:
             state = jax.lax.fori_loop(x_full, x_hi, decode_chunk, state)
             for h, (m, l, acc) in enumerate(state):
                 r.m[h, rows], r.l[h, rows], r.acc[h, rows] = m, l, acc
-        elif g.decode:
-            jax.lax.fori_loop(x_lo, x_hi, chunk, 0)
         else:
             # Prefill / mixed: the chunks of a step are unrolled; each runs under a
             # ``pl.when`` on whether it holds a visible key, so the chunks past the causal
@@ -851,9 +834,7 @@ class _Attention:
         for h in range(g.Hkv):
             kv_row, j = divmod(2 * h, g.pk)
             kk = row[kv_row, j:j + 1, :]                       # (1, Dp)
-            vv = row[kv_row, j + 1:j + 2, :]
-            if spec.v_scale is not None:
-                vv = vv * spec.v_scale
+            vv = row[kv_row, j + 1:j + 2, :]                   # unscaled, as the cache's V
             q = r.qh[h, grp].astype(jnp.float32)
             s = jnp.sum(q * kk, axis=1, keepdims=True)                   # (G, 1), scaled
             if spec.soft_cap is not None:
@@ -867,9 +848,12 @@ class _Attention:
             r.acc[h, grp] = _lanes(alpha, g.Dp) * r.acc[h, grp] + _lanes(p, g.Dp) * vv
 
     def finalize(self, oslot):
+        """The output block: acc / l, times v_scale (every V entered the PV products
+        unscaled: one multiply per output row instead of one per V element and chunk)."""
         g, r = self.g, self.refs
+        v_scale = 1.0 if g.spec.v_scale is None else g.spec.v_scale
         for h in range(g.Hkv):
-            out = r.acc[h] * (1.0 / r.l[h][:, :1])            # (bq * G, Dp)
+            out = r.acc[h] * (v_scale / r.l[h][:, :1])        # (bq * G, Dp)
             r.o_buf[oslot, :, h] = out.reshape(g.bq, g.G, g.Dp).astype(r.o_buf.dtype)
 
 

@@ -63,31 +63,36 @@ def _mosaic_text(monkeypatch, model, tpu, case, block_sizes):
     return texts[0]
 
 
+@pytest.mark.parametrize("kv_dtype,pk,mlir_type", [("bfloat16", 2, "bf16"), ("float8_e4m3fn", 4, "f8E4M3FN")],
+                         ids=["bf16", "fp8"])
 @pytest.mark.parametrize("head_dim", [128, 256])
 @pytest.mark.parametrize("case,block_sizes", [("decode", (1, 1024, 1, 512)), ("prefill", (64, 512, 64, 256))])
-def test_bf16_kv_split_is_one_strided_word_load_per_head(monkeypatch, head_dim, case, block_sizes):
-    """The compiled-only bf16 K/V split (kernel/rpa.py, kv_words), read from the Mosaic
-    the compiler receives: the KV block (pages, page, packed rows, 2, Dp) bf16 is viewed
-    as uint32 words of (K, V) pairs, (pages * page * rows, Dp), and each head's chunk is
-    one load of ckv word rows at a stride of one token's packed rows (per 128-lane tile
-    when head_dim > 128). A wrong view, stride or shape fails here; the same start and
-    stride arithmetic runs in the interpreter (tests/test_kernel_interpret.py)."""
+def test_kv_split_is_one_strided_word_load_per_packed_row(monkeypatch, head_dim, case, block_sizes, kv_dtype, pk,
+                                                          mlir_type):
+    """The compiled-only K/V split (kernel/rpa.py, kv_words), read from the Mosaic the
+    compiler receives: the KV block (pages, page, packed rows, pk, Dp) is viewed as uint32
+    words, (pages * page * rows, Dp), a word holding pk entries (bf16: one head's (K, V);
+    fp8: two heads' (K, V, K, V)), and each packed row's chunk is one load of ckv word
+    rows at a stride of one token's packed rows (per 128-lane tile when head_dim > 128).
+    A wrong view, stride or shape fails here; the same start and stride arithmetic runs in
+    the interpreter (tests/test_kernel_interpret.py), and the byte order within a word is
+    the one pltpu.bitcast defines (checked there as well)."""
     import re
     hkv, ckv = 8, block_sizes[3]
-    text = _mosaic_text(monkeypatch, ModelShape(32, hkv, head_dim), "v6e", case, block_sizes)
+    text = _mosaic_text(monkeypatch, ModelShape(32, hkv, head_dim, kv_dtype=kv_dtype), "v6e", case, block_sizes)
     shape = lambda s: [int(d) for d in s.split("x")]
-    # the KV scratch buffer: (2 slots, pages, page, rows, 2, Dp) bf16
-    bufs = {tuple(shape(m)) for m in re.findall(r"memref<(2x\d+x128x\d+x2x\d+)xbf16", text)}
+    # the KV scratch buffer: (2 slots, pages, page, rows, pk, Dp)
+    bufs = {tuple(shape(m)) for m in re.findall(rf"memref<(2x\d+x128x\d+x{pk}x\d+)x{mlir_type}", text)}
     assert len(bufs) == 1, bufs
     _, pages, page, rows, _, dp = next(iter(bufs))
-    assert dp == head_dim and pages * page == block_sizes[1] and rows >= hkv
+    assert dp == head_dim and pages * page == block_sizes[1] and rows >= 2 * hkv // pk
     words = pages * page * rows
-    casts = re.findall(r"tpu\.memref_bitcast %\w+ : memref<(\d+x\d+)xbf16.*?> -> memref<(\d+x\d+)xi32", text)
-    assert casts and all(shape(a) == [2 * words, dp] and shape(b) == [words, dp] for a, b in casts), casts[:3]
+    casts = re.findall(rf"tpu\.memref_bitcast %\w+ : memref<(\d+x\d+)x{mlir_type}.*?> -> memref<(\d+x\d+)xi32", text)
+    assert casts and all(shape(a) == [pk * words, dp] and shape(b) == [words, dp] for a, b in casts), casts[:3]
     nt = head_dim // 128
     loads = re.findall(r"tpu\.strided_load %\w+\[[^\]]*\] \{strides = array<i32: (\d+), (\d+)>\} : "
                        r"memref<(\d+x\d+)xi32.*?>, vector<(\d+x\d+)xi32>", text)
-    assert len(loads) >= hkv * nt, f"{len(loads)} strided word loads for {hkv} heads"
+    assert len(loads) >= (2 * hkv // pk) * nt, f"{len(loads)} strided word loads for {2 * hkv // pk} packed rows"
     for row_stride, lane_stride, src, out in loads:
         assert (int(row_stride), int(lane_stride)) == (rows * nt, 1)
         assert shape(src) == [words * nt, 128]

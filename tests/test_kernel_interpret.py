@@ -155,3 +155,27 @@ def test_score_tile_budget_per_generation():
     assert _row_tile(512, 256, get_generation("v5e").score_tile_vregs) == 256
     # decode tiles (the q heads of one token) are never split
     assert _row_tile(4, 1024, 1) == 4
+
+
+@pytest.mark.parametrize("byte", [0, 1, 2, 3])
+def test_fp8_to_bf16_bits_is_exact_for_every_byte(byte):
+    """The kernel's integer e4m3 -> bf16 conversion (``rpa._e4m3_bf16_bits``, used on the
+    compiled and the interpreted path alike) against ml_dtypes for all 256 bytes, the byte at
+    each position of a word whose other bytes are random (they must not leak in): every
+    finite value (subnormals, both zeros) exact, the two NaN encodings finite (+-480)."""
+    import jax.numpy as jnp
+    import ml_dtypes
+
+    from kernel import rpa
+    b = np.arange(256, dtype=np.uint32)
+    other = np.random.default_rng(byte).integers(0, 2**32, 256, dtype=np.uint64).astype(np.uint32)
+    w = (other & ~np.uint32(0xFF << (8 * byte))) | (b << (8 * byte))
+    bits = np.asarray(rpa._e4m3_bf16_bits(jnp.asarray(w) >> (8 * byte)))
+    assert (bits >> 16).max() == 0
+    got = (bits & 0xFFFF).astype(np.uint16).view(ml_dtypes.bfloat16).astype(np.float32)
+    want = b.astype(np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    finite = ~np.isnan(want)
+    assert finite.sum() == 254
+    np.testing.assert_array_equal(got[finite], want[finite])
+    np.testing.assert_array_equal(np.signbit(got[finite]), np.signbit(want[finite]))
+    np.testing.assert_array_equal(np.abs(got[~finite]), [480.0, 480.0])

@@ -33,7 +33,7 @@ import dataclasses
 import numpy as np
 
 from kernel import metrics
-from kernel.config import Case, cdiv, round_up
+from kernel.config import Case, round_up
 from kernel.workload import ModelShape, Workload
 
 COMPLETE, INCOMPLETE = "complete", "incomplete"
@@ -61,12 +61,12 @@ def needed(workload: Workload, model: ModelShape, case: Case | str | None = None
     read = write = 0
     for q, kv in zip(workload.q_lens[lo:hi], workload.kv_lens[lo:hi]):
         ctx = kv - q
-        if sliding_window:
-            ctx = min(ctx, sliding_window + q)
+        if sliding_window:        # the cached keys the first query sees: (ctx - window, ctx)
+            ctx = min(ctx, sliding_window - 1)
         read += ctx * tb
         write += q * tb
     return Needed(read, write, metrics.flops(workload, model, case, sliding_window),
-                  metrics.hbm_bytes(workload, model, case))
+                  metrics.hbm_bytes(workload, model, case, sliding_window))
 
 
 @dataclasses.dataclass
