@@ -69,7 +69,8 @@ def test_run_time_sized_page_dmas_count_at_one_page_only_when_enough_are_issued(
     the bytes the trace does not show, and fails when too few are (e.g. a dropped loop)."""
     w = Workload.of_case("decode", [1] * 2, [2049] * 2)
     need = audit.needed(w, LLAMA, "decode")
-    page_bytes = 128 * audit.token_bytes(LLAMA)
+    page_bytes = audit.page_bytes(128, LLAMA)
+    assert page_bytes == 128 * 8 * 2 * 128 * 2                 # tokens x KV heads x (K, V) x dims x bf16
     pages = -(-need.kv_read_bytes // page_bytes)               # 32 pages of context
 
     def trace(dyn):

@@ -54,6 +54,12 @@ def token_bytes(model: ModelShape) -> int:
     return 2 * model.num_kv_heads * round_up(model.head_dim, 128) * np.dtype(model.kv_dtype).itemsize
 
 
+def page_bytes(page_size: int, model: ModelShape) -> int:
+    """The most one run-time-sized page DMA of tpu-inference's RPA v3 moves: one page of
+    merged K/V (``audit_trace``'s ``page_bytes`` for that kernel; module doc)."""
+    return int(page_size) * token_bytes(model)
+
+
 def needed(workload: Workload, model: ModelShape, case: Case | str | None = None,
            sliding_window: int | None = None) -> Needed:
     lo, hi = (0, workload.num_seqs) if case is None else workload.case_range(Case.parse(case))

@@ -323,7 +323,7 @@ def probe_config(*, builder: str, case: Case | str, bs: BlockSizes, tpu: str, mo
         if not writes_kv_cache:
             need = dataclasses.replace(need, kv_write_bytes=0)
         # the public kernel fetches the cache one page per run-time-sized DMA (audit doc)
-        page_bytes = None if builder == OURS else limits["page_size"] * audit_mod.token_bytes(shape)
+        page_bytes = None if builder == OURS else audit_mod.page_bytes(limits["page_size"], shape)
         spent = {"compile_s": 0.0, "max_rss_bytes": 0}
 
         def attempt(forward: bool):
