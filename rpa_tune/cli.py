@@ -108,6 +108,16 @@ def sweep(
                                        "e.g. --retry timeout --retry crash."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan (candidates, pre-filter) and exit "
                                  "without evaluating or writing anything."),
+    storage: Optional[str] = typer.Option(None, "--storage", help="Share the sweep with every worker started with "
+                                          "the same command and URL: postgresql://USER@HOST/DB (a fleet), "
+                                          "sqlite:///PATH.db or PATH.journal (one machine). Configs are claimed "
+                                          "through Optuna's storage (none is evaluated twice); rows go to "
+                                          "--results and to the storage. Default: this process alone.",
+                                          show_default=False),
+    heartbeat: float = typer.Option(10.0, "--heartbeat", min=1, help="--storage: seconds between a worker's "
+                                    "heartbeats for the configs it evaluates."),
+    grace: float = typer.Option(60.0, "--grace", min=2, help="--storage: a config whose worker has not beaten "
+                                "for this long is given back to the study and evaluated by another worker."),
     json_out: JsonFlag = False,
 ):
     """Tune block sizes for one TPU generation and case(s); results go to --results."""
@@ -120,20 +130,45 @@ def sweep(
             search=value(search), budget=budget, patience=patience, jobs=jobs, timeout=timeout, results=results,
             space=space, retry=[value(r) for r in retry], dry_run=dry_run, sliding_window=sliding_window,
             kernel=value(kernel))
+        if storage is not None:
+            from .distributed import StorageError, parse_storage
+            try:
+                parse_storage(storage)
+            except StorageError as e:
+                raise UsageError(str(e)) from None
     except UsageError as e:
         fail(str(e))
     from . import ui
     from .engine import run_sweep
     from .store import ResultStore
     store = ResultStore(results)
+    opened = None
+    if storage is not None and not dry_run:
+        from .distributed import StorageError, open_storage, run_distributed
+        if retry:
+            fail("--retry cannot be combined with --storage (the study already holds those configs; "
+                 "rerun them in a new storage)")
+        try:
+            opened = open_storage(storage, heartbeat=heartbeat, grace=max(grace, 2 * heartbeat))
+        except StorageError as e:
+            fail(str(e))
     outcomes = []
     for spec in specs:
         if dry_run:
             ui.print_plan(spec, backend_note, results, json_out=json_out)
             continue
         ui.print_header(spec, backend_note, results)
-        with ui.sweep_progress() as progress:
-            outcome = run_sweep(spec, store, events=progress)
+        if opened is not None:
+            from .distributed import StudyMismatch
+            try:
+                with ui.sweep_progress() as progress:
+                    outcome = run_distributed(spec, store, storage, events=progress, heartbeat=heartbeat,
+                                              grace=max(grace, 2 * heartbeat), storage=opened)
+            except (StudyMismatch, StorageError) as e:
+                fail(str(e))
+        else:
+            with ui.sweep_progress() as progress:
+                outcome = run_sweep(spec, store, events=progress)
         outcomes.append(outcome)
         if not json_out:
             ui.print_summary(outcome, store)

@@ -389,16 +389,23 @@ class Events:
     def finished(self, row: dict, outcome: Outcome) -> None: ...
 
 
-def run_sweep(spec: SweepSpec, store: ResultStore, *, events: Events | None = None,
-              pool_env: dict | None = None) -> Outcome:
-    events = events or Events()
-    t_start = time.monotonic()
-    plan = plan_sweep(spec)
-    outcome = Outcome(spec, plan, counts={s: 0 for s in base.STATUSES})
-    search = make_search(spec.search, plan.candidates, budget=spec.budget, seed=spec.seed,
-                         first=plan.heuristic, patience=spec.patience, jobs=spec.jobs)
-    outcome.search_note = search.fallback
-    total = min(spec.budget, len(plan.candidates))
+@dataclasses.dataclass
+class SweepContext:
+    """What every row of a sweep records: the tuned kernel, provenance, the versions in its
+    config ids and the workload id (one definition for local and distributed sweeps)."""
+
+    spec: SweepSpec
+    kernel: object
+    prov: dict
+    kversion: str | None
+    ev_version: str
+    wid: str
+
+    def config_id(self, bs) -> str:
+        return config_id(self.spec.key_id, self.wid, bs, self.spec.backend, self.kversion, self.ev_version)
+
+
+def sweep_context(spec: SweepSpec) -> SweepContext:
     kern = spec.tuned_kernel
     prov = provenance.provenance()
     kversion = kern.config_version()
@@ -409,23 +416,48 @@ def run_sweep(spec: SweepSpec, store: ResultStore, *, events: Events | None = No
     wid = workload_id(spec.workload)
     if spec.sliding_window is not None:   # another window is another problem (full attention keeps its ids)
         wid = f"{wid}-sw{spec.sliding_window}"
-    key_id = spec.key_id
+    return SweepContext(spec, kern, prov, kversion, ev_version, wid)
+
+
+def note_row(outcome: Outcome, row: dict) -> None:
+    """Count a finished row in ``outcome`` (statuses, best, the heuristic's row)."""
+    outcome.counts[row["status"]] = outcome.counts.get(row["status"], 0) + 1
+    if row["status"] == base.OK and row.get("metric") is not None:
+        if outcome.best is None or row["metric"] < outcome.best["metric"]:
+            outcome.best = row
+    if row.get("is_heuristic"):
+        outcome.heuristic_row = row
+
+
+def make_task(spec: SweepSpec, plan: Plan, bs: BlockSizes) -> Task:
+    return Task(backend=spec.backend, generation=spec.generation, case=spec.case.value,
+                model=spec.model, limits=spec.limits, workload=spec.workload, bs=bs,
+                timeout=float(spec.timeout), seed=spec.seed,
+                vmem_predicted_bytes=plan.predicted.get(bs), sliding_window=spec.sliding_window,
+                kernel=spec.tuned_kernel.name)
+
+
+def run_sweep(spec: SweepSpec, store: ResultStore, *, events: Events | None = None,
+              pool_env: dict | None = None) -> Outcome:
+    events = events or Events()
+    t_start = time.monotonic()
+    plan = plan_sweep(spec)
+    outcome = Outcome(spec, plan, counts={s: 0 for s in base.STATUSES})
+    search = make_search(spec.search, plan.candidates, budget=spec.budget, seed=spec.seed,
+                         first=plan.heuristic, patience=spec.patience, jobs=spec.jobs)
+    outcome.search_note = search.fallback
+    total = min(spec.budget, len(plan.candidates))
+    ctx = sweep_context(spec)
+    prov, ev_version, wid = ctx.prov, ctx.ev_version, ctx.wid
+    cid = ctx.config_id
     recorded = store.recorded()
     sweep_id = uuid.uuid4().hex[:12]
     events.start(spec, plan, total)
     asked = 0
     exhausted = False
 
-    def cid(bs):
-        return config_id(key_id, wid, bs, spec.backend, kversion, ev_version)
-
     def note(row):
-        outcome.counts[row["status"]] = outcome.counts.get(row["status"], 0) + 1
-        if row["status"] == base.OK and row.get("metric") is not None:
-            if outcome.best is None or row["metric"] < outcome.best["metric"]:
-                outcome.best = row
-        if row.get("is_heuristic"):
-            outcome.heuristic_row = row
+        note_row(outcome, row)
 
     pool = WorkerPool(spec.backend, 1 if spec.backend == "tpu" else spec.jobs, env=pool_env)
     try:
@@ -445,12 +477,7 @@ def run_sweep(spec: SweepSpec, store: ResultStore, *, events: Events | None = No
                     search.tell(bs, prev["status"], prev.get("metric"))
                     events.resumed(prev)
                     continue
-                task = Task(backend=spec.backend, generation=spec.generation, case=spec.case.value,
-                            model=spec.model, limits=spec.limits, workload=spec.workload, bs=bs,
-                            timeout=float(spec.timeout), seed=spec.seed,
-                            vmem_predicted_bytes=plan.predicted.get(bs), sliding_window=spec.sliding_window,
-                            kernel=kern.name)
-                pool.submit(task, bs)
+                pool.submit(make_task(spec, plan, bs), bs)
                 events.dispatched(bs)
             if pool.busy == 0:
                 break
