@@ -1,6 +1,7 @@
 """``rpa-tune``: find the block sizes of the Ragged Paged Attention kernel.
 
-Commands: ``sweep`` (tune), ``show`` (winners), ``compare`` (our kernel vs tpu-inference's), ``verify`` (check winners in interpret
+Commands: ``sweep`` (tune; ``--storage`` shares one sweep among many workers), ``status``
+(progress of a shared sweep), ``show`` (winners), ``compare`` (our kernel vs tpu-inference's), ``verify`` (check winners in interpret
 mode), ``doctor`` (what works on this machine); ``export``, ``diff`` and ``precompile`` in
 ``cli_tables``. Bad input exits with code 2 and a one-line message before anything is
 written (``cli_common``).
@@ -356,6 +357,28 @@ def doctor(
     from . import ui
     from .report import doctor_report
     ui.print_doctor(doctor_report(tpu=tpu, quick=quick))
+
+
+@app.command()
+def status(
+    storage: str = typer.Option(..., "--storage", help="The URL the workers were started with "
+                                "(postgresql://..., sqlite:///PATH.db, PATH.journal)."),
+    json_out: JsonFlag = False,
+):
+    """Progress of the sweeps in a --storage: per study, configs done / running / left, best so far, workers seen."""
+    from . import ui
+    from .distributed import StorageError, parse_storage, study_status
+    try:
+        where = parse_storage(storage).display()
+        studies = study_status(storage)
+    except StorageError as e:
+        fail(str(e))
+    if json_out:
+        ui.print_json([ui.status_dict(s) for s in studies])
+    else:
+        ui.print_status(studies, where)
+    if not studies:
+        fail(f"no rpa-tune study in {where}", code=1)
 
 
 @app.command()

@@ -482,3 +482,31 @@ def print_presets(presets) -> None:
         t.add_row(p.name, str(p.num_q_heads), str(p.num_kv_heads), str(p.head_dim), f"{p.q_dtype}/{p.kv_dtype}",
                   p.description)
     out.print(t)
+
+
+# ============================================================================ status
+def status_dict(s) -> dict:
+    """One study of ``rpa-tune status --json``."""
+    b = s.best
+    return dict(study=s.name, key_id=s.meta.get("key_id"), workload_id=s.meta.get("workload_id"),
+                backend=s.meta.get("backend"), kernel=s.identity.get("kernel"),
+                kernel_version=s.identity.get("kernel_version"), search=s.identity.get("search"),
+                total=s.total, done=s.done, running=s.running, waiting=s.waiting, left=s.left,
+                given_back=s.failed, counts=s.counts, workers=s.workers,
+                best=None if not b else dict(block_sizes=_bs_list(b), metric=b.get("metric")))
+
+
+def print_status(studies, where: str) -> None:
+    """``rpa-tune status``: one row per study of a storage."""
+    t = Table(title=f"rpa-tune studies in {escape(where)}")
+    for c in ("study", "key / workload / backend", "done", "running", "left", "given back", "best so far",
+              "workers"):
+        t.add_column(c, justify="right" if c in ("done", "running", "left", "given back") else "left")
+    for s in studies:
+        m = s.meta
+        b = s.best
+        t.add_row(s.name, escape(f"{m.get('key_id')} / {m.get('workload_id')} / {m.get('backend')}"),
+                  f"{s.done}/{s.total}", str(s.running), str(s.left), str(s.failed),
+                  f"{fmt_bs(b)} {fmt_time(b['metric'])}" if b else "-",
+                  f"{len(s.workers)}: " + ", ".join(s.workers))
+    out.print(t)
