@@ -22,7 +22,7 @@ duplicate and is told PRUNED with ``skipped=duplicate`` instead of being evaluat
 Worker death: a claimed trial's worker records heartbeats (RDB storages: Optuna's
 heartbeat; journal files: the same rule through a trial attribute), and every worker
 fails stale RUNNING trials (``optuna.storages.fail_stale_trials``) whose
-``RetryFailedTrialCallback`` adds them back as WAITING, so another worker evaluates them.
+``RetryHeartbeatStaleTrialCallback`` adds them back as WAITING, so another worker evaluates them.
 
 Every finished row (the dict the Parquet store gets) is also stored as the trial's user
 attribute ``row`` (JSON): ``rows_from_storage`` reads them for ``rpa-tune export`` and
@@ -121,10 +121,9 @@ def _quiet_optuna():
 
 def open_storage(text: str, *, heartbeat: float | None = None, grace: float | None = None):
     """An Optuna storage for ``text`` (``parse_storage``). With ``heartbeat``, stale trials
-    are failed after ``grace`` s and retried (``RetryFailedTrialCallback``)."""
+    are failed after ``grace`` s and retried (``retry_callback``)."""
     su = parse_storage(text)
     optuna = _quiet_optuna()
-    from optuna.storages import RetryFailedTrialCallback
     if su.kind == "journal":
         from optuna.storages.journal import JournalFileBackend
         try:
@@ -139,15 +138,22 @@ def open_storage(text: str, *, heartbeat: float | None = None, grace: float | No
                                "pip install 'rpa-tune[distributed]' (or psycopg2-binary)") from None
     kw = {}
     if heartbeat:
-        kw = dict(heartbeat_interval=max(1, int(math.ceil(heartbeat))), grace_period=max(2, int(math.ceil(grace or 0))),
-                  failed_trial_callback=RetryFailedTrialCallback(max_retry=MAX_RETRY))
+        import inspect
+        params = inspect.signature(optuna.storages.RDBStorage).parameters
+        name = "heartbeat_stale_trial_callback" if "heartbeat_stale_trial_callback" in params else \
+            "failed_trial_callback"     # Optuna < 4.9
+        kw = {"heartbeat_interval": max(1, int(math.ceil(heartbeat))),
+              "grace_period": max(2, int(math.ceil(grace or 0))), name: retry_callback(MAX_RETRY)}
     engine_kwargs = ({"connect_args": {"connect_timeout": 10}, "pool_pre_ping": True} if su.kind == "postgresql"
                      else {"connect_args": {"timeout": 120}})
     last = None
     storage = None
     for attempt in range(5):   # concurrent first workers may race on creating the schema
         try:
-            storage = optuna.storages.RDBStorage(su.url, engine_kwargs=engine_kwargs, **kw)
+            import warnings
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)   # heartbeats
+                storage = optuna.storages.RDBStorage(su.url, engine_kwargs=engine_kwargs, **kw)
             break
         except Exception as e:  # noqa: BLE001
             last = _one_line(e)
@@ -160,6 +166,19 @@ def open_storage(text: str, *, heartbeat: float | None = None, grace: float | No
     if su.kind == "sqlite":
         _sqlite_immediate(storage.engine)
     return storage
+
+
+def retry_callback(max_retry: int | None):
+    """Optuna's callback that adds a stale (or given back) trial again as WAITING
+    (``RetryHeartbeatStaleTrialCallback``; ``RetryFailedTrialCallback`` before Optuna 4.9)."""
+    try:
+        from optuna.storages import RetryHeartbeatStaleTrialCallback as Retry
+    except ImportError:  # pragma: no cover - Optuna < 4.9
+        from optuna.storages import RetryFailedTrialCallback as Retry
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")          # "experimental" since Optuna 2.8
+        return Retry(max_retry=max_retry)
 
 
 def _sqlite_immediate(engine) -> None:
@@ -389,7 +408,6 @@ class Session:
             if self.rdb:
                 self.optuna.storages.fail_stale_trials(self.study)
                 return
-            from optuna.storages import RetryFailedTrialCallback
             now = time.time()
             TS = self.optuna.trial.TrialState
             for t in self.study.get_trials(deepcopy=False, states=(TS.RUNNING,)):
@@ -404,7 +422,7 @@ class Session:
                 except self.optuna.exceptions.UpdateFinishedTrialError:
                     ok = False
                 if ok:
-                    RetryFailedTrialCallback(max_retry=MAX_RETRY)(self.study, self.storage.get_trial(t._trial_id))
+                    retry_callback(MAX_RETRY)(self.study, self.storage.get_trial(t._trial_id))
         finally:
             self._timed(t0)
 
@@ -573,14 +591,13 @@ class Session:
 
     def give_back(self) -> None:
         """On Ctrl-C: fail this worker's RUNNING trials and add each back as WAITING."""
-        from optuna.storages import RetryFailedTrialCallback
         with self._lock:
             ids = list(self.inflight)
             self.inflight.clear()
         for tid in ids:
             try:
                 if self.storage.set_trial_state_values(tid, self.optuna.trial.TrialState.FAIL):
-                    RetryFailedTrialCallback(max_retry=None)(self.study, self.storage.get_trial(tid))
+                    retry_callback(None)(self.study, self.storage.get_trial(tid))
             except Exception:  # noqa: BLE001 - stale detection gives it back later
                 pass
 

@@ -33,6 +33,18 @@ def find_pg_bin() -> Path | None:
     return None
 
 
+def create_database(url: str, name: str) -> str:
+    """A new database ``name`` on the server of ``url``; its URL."""
+    import sqlalchemy
+    engine = sqlalchemy.create_engine(url, isolation_level="AUTOCOMMIT")
+    try:
+        with engine.connect() as c:
+            c.exec_driver_sql(f'CREATE DATABASE "{name}"')
+    finally:
+        engine.dispose()
+    return url.rsplit("/", 1)[0] + "/" + name
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
