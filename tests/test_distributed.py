@@ -184,7 +184,9 @@ def test_kill_9_worker_its_config_is_redone_once(kind, tmp_path, request):
     assert not set(rows_a.config_id) & set(rows_b.config_id)
     st = run(["status", "--storage", url, "--json"], env_for(tmp_path, "status"))
     (s,) = json.loads(st.stdout)
-    assert (s["done"], s["running"], s["left"], s["given_back"]) == (18, 0, 0, len(in_flight))
+    assert (s["done"], s["running"], s["left"]) == (18, 0, 0)
+    # A held up to --jobs 2 claims: those it was evaluating, and maybe one claimed but not yet started
+    assert len(in_flight) <= s["given_back"] <= 2
     from rpa_tune.distributed import rows_from_storage
     assert len({r["config_id"] for r in rows_from_storage(url)}) == len(rows_from_storage(url)) == 18
 
