@@ -633,7 +633,7 @@ def run_distributed(spec, store, storage_text: str, *, events=None, pool_env: di
     if storage is None:
         storage = open_storage(storage_text, heartbeat=heartbeat, grace=grace)
     sess = Session(storage, spec, plan, ctx, where=su.display(), heartbeat=heartbeat, grace=grace)
-    outcome.session = sess
+    outcome.study = sess.name
     recorded = store.recorded()
     sweep_id = uuid.uuid4().hex[:12]
     before = {r["config_id"] for r in sess.study_rows()}
@@ -700,6 +700,7 @@ def run_distributed(spec, store, storage_text: str, *, events=None, pool_env: di
         sess.close()
         pool.close()
         outcome.elapsed_s = time.monotonic() - t_start
+        outcome.storage_s, outcome.storage_calls = sess.storage_s, sess.storage_calls
     return outcome
 
 

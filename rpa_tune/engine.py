@@ -378,6 +378,9 @@ class Outcome:
     stop_reason: str = ""
     elapsed_s: float = 0.0
     search_note: str = ""
+    study: str = ""                  # --storage: the Optuna study this worker joined
+    storage_s: float | None = None   # --storage: wall time in storage calls (claims, tells, checks)
+    storage_calls: int = 0
 
 
 class Events:

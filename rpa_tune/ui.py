@@ -113,7 +113,9 @@ def _bs_list(r) -> list | None:
 def outcome_dict(o: Outcome) -> dict:
     """One sweep's outcome for ``sweep --json``."""
     b, h = o.best, o.heuristic_row
-    return dict(key=o.spec.key.as_dict(), key_id=o.spec.key_id, kernel=o.spec.kernel, workload=o.spec.workload_desc,
+    extra = {} if o.storage_s is None else dict(study=o.study, storage_s=round(o.storage_s, 4),
+                                                storage_calls=o.storage_calls)
+    return extra | dict(key=o.spec.key.as_dict(), key_id=o.spec.key_id, kernel=o.spec.kernel, workload=o.spec.workload_desc,
                 backend=o.spec.backend, evaluated=o.evaluated, resumed=o.resumed,
                 counts={k: v for k, v in o.counts.items() if v}, stop_reason=o.stop_reason,
                 interrupted=o.interrupted, elapsed_s=round(o.elapsed_s, 3),
