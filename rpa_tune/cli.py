@@ -158,7 +158,11 @@ def sweep(
         if dry_run:
             ui.print_plan(spec, backend_note, results, json_out=json_out)
             continue
-        ui.print_header(spec, backend_note, results)
+        if opened is not None:
+            from .distributed import parse_storage
+            ui.print_header(spec, backend_note, results, storage=parse_storage(storage).display())
+        else:
+            ui.print_header(spec, backend_note, results)
         if opened is not None:
             from .distributed import StudyMismatch
             try:

@@ -275,8 +275,8 @@ class Session:
         self.cands = list(plan.candidates)
         self.cand_set = set(self.cands)
         self.dists = _dists(self.cands) if self.cands else {}
-        self.storage_s = 0.0          # wall time spent in storage calls (claims, tells, heartbeats excluded)
-        self.storage_calls = 0
+        self.storage_s = 0.0          # wall time in storage calls after joining (claims, tells, stale checks;
+        self.storage_calls = 0        # heartbeats run on their own thread and are not counted)
         self.sample_mode = spec.search == "tpe" and len(self.cands) > spec.budget
         self.planned = self._planned()
         self.total = len(self.planned) if not self.sample_mode else min(spec.budget, len(self.cands))
@@ -287,6 +287,8 @@ class Session:
         self.exhausted_reason = ""
         self.misses = 0
         self.inflight: dict[int, BlockSizes] = {}      # trial id -> config (this worker's)
+        self.numbers: dict[int, int] = {}              # trial id -> trial number
+        self._study_attrs: dict = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._hb_thread = None
@@ -301,7 +303,7 @@ class Session:
                                                      multivariate=True, constant_liar=True)
         t0 = time.perf_counter()
         self.study, self.created = self._join(sampler, where, wait_s)
-        self._timed(t0)
+        self.join_s = time.perf_counter() - t0     # creating / loading the study (and enqueueing the plan)
 
     # -- joining --------------------------------------------------------------------------
     def _planned(self) -> list[BlockSizes]:
@@ -338,7 +340,7 @@ class Session:
             study.set_user_attr("rpa_tune", self.identity)
             study.set_user_attr("meta", self.meta())
             self._enqueue(study, self.planned)
-            study.set_user_attr("enqueued", True)
+            study.set_user_attr("enqueued", "creator")
             return study, True
         deadline = time.monotonic() + wait_s
         attrs = study.user_attrs
@@ -357,7 +359,7 @@ class Session:
         if not attrs.get("enqueued"):     # its creator died before enqueueing: add what is missing
             known = {_bs_of(t) for t in study.get_trials(deepcopy=False)}
             self._enqueue(study, [bs for bs in self.planned if bs not in known])
-            study.set_user_attr("enqueued", True)
+            study.set_user_attr("enqueued", "joiner")
         return study, False
 
     def _enqueue(self, study, configs) -> None:
@@ -455,11 +457,25 @@ class Session:
         self.storage.set_trial_user_attr(tid, "worker", self.worker)
         self.study.tell(self.storage.get_trial(tid).number, state=self.optuna.trial.TrialState.PRUNED)
 
-    def _own(self, trial) -> None:
+    def _may_duplicate(self, trial) -> bool:
+        """Whether another trial may hold the same config: always when TPE proposes configs
+        or the study's plan was completed by a joining worker; for a plan enqueued once by
+        the study's creator only a retried trial (its first attempt failed, so no)."""
+        if self.sample_mode or self.study_user_attr("enqueued") != "creator":
+            return True
+        return False
+
+    def study_user_attr(self, name):
+        if name not in self._study_attrs:
+            self._study_attrs = self.study.user_attrs
+        return self._study_attrs.get(name)
+
+    def _own(self, trial, number: int) -> None:
         tid = trial._trial_id
         self.storage.set_trial_user_attr(tid, "worker", self.worker)
         with self._lock:
             self.inflight[tid] = _bs_of(trial)
+            self.numbers[tid] = number
         self._beat(tid)
 
     def _pop_waiting(self):
@@ -500,8 +516,8 @@ class Session:
             for k, v in bs._asdict().items():     # popped trials keep their params; set any missing
                 if k not in trial.params:
                     self.storage.set_trial_param(tid, k, self.dists[k].to_internal_repr(int(v)), self.dists[k])
-            self._own(trial)
-            if self._claimed_elsewhere(tid, number, bs):
+            self._own(trial, number)
+            if self._may_duplicate(trial) and self._claimed_elsewhere(tid, number, bs):
                 with self._lock:
                     self.inflight.pop(tid, None)
                 self._skip(tid, "duplicate")
@@ -576,14 +592,20 @@ class Session:
         t0 = time.perf_counter()
         try:
             TS = self.optuna.trial.TrialState
-            self.storage.set_trial_user_attr(tid, "row", _row_json(row))
-            self.storage.set_trial_user_attr(tid, "config_id", row.get("config_id"))
-            number = self.storage.get_trial(tid).number
-            m = row.get("metric")
-            if row.get("status") == "ok" and m is not None and m > 0:
-                self.study.tell(number, math.log(m))
-            else:
-                self.study.tell(number, state=TS.PRUNED)
+            number = self.numbers.pop(tid, None)
+            try:
+                self.storage.set_trial_user_attr(tid, "row", _row_json(row))
+                if number is None:
+                    number = self.storage.get_trial(tid).number
+                m = row.get("metric")
+                if row.get("status") == "ok" and m is not None and m > 0:
+                    self.study.tell(number, math.log(m))
+                else:
+                    self.study.tell(number, state=TS.PRUNED)
+            except self.optuna.exceptions.UpdateFinishedTrialError:
+                # failed as stale meanwhile (this worker's heartbeats were held up longer than
+                # --grace) and given back: the row stays in this worker's results store
+                pass
         finally:
             with self._lock:
                 self.inflight.pop(tid, None)
@@ -701,6 +723,7 @@ def run_distributed(spec, store, storage_text: str, *, events=None, pool_env: di
         pool.close()
         outcome.elapsed_s = time.monotonic() - t_start
         outcome.storage_s, outcome.storage_calls = sess.storage_s, sess.storage_calls
+        outcome.storage_join_s = sess.join_s
     return outcome
 
 

@@ -381,6 +381,7 @@ class Outcome:
     study: str = ""                  # --storage: the Optuna study this worker joined
     storage_s: float | None = None   # --storage: wall time in storage calls (claims, tells, checks)
     storage_calls: int = 0
+    storage_join_s: float | None = None   # --storage: creating / joining the study
 
 
 class Events:

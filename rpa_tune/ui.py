@@ -78,7 +78,7 @@ def _plan_line(plan: Plan) -> str:
             f"pre-filter)")
 
 
-def print_header(spec: SweepSpec, backend_note: str, results) -> None:
+def print_header(spec: SweepSpec, backend_note: str, results, storage: str | None = None) -> None:
     plan = plan_sweep(spec)
     k = spec.key
     err.print(f"[bold]rpa-tune sweep[/] {k.generation} {k.case}: {spec.model_label or shape_label(k.as_dict())}")
@@ -89,6 +89,8 @@ def print_header(spec: SweepSpec, backend_note: str, results) -> None:
     err.print(f"  backend   {spec.backend} ({backend_note}); search {spec.search}, budget {spec.budget}, "
               f"seed {spec.seed}, jobs {1 if spec.backend == 'tpu' else spec.jobs}, timeout {spec.timeout:g} s")
     err.print(f"  results   {os.fspath(results)}")
+    if storage:
+        err.print(f"  storage   {escape(storage)} (shared with every worker of the same sweep)")
 
 
 def print_json(doc) -> None:
@@ -114,7 +116,8 @@ def outcome_dict(o: Outcome) -> dict:
     """One sweep's outcome for ``sweep --json``."""
     b, h = o.best, o.heuristic_row
     extra = {} if o.storage_s is None else dict(study=o.study, storage_s=round(o.storage_s, 4),
-                                                storage_calls=o.storage_calls)
+                                                storage_calls=o.storage_calls,
+                                                storage_join_s=round(o.storage_join_s or 0.0, 4))
     return extra | dict(key=o.spec.key.as_dict(), key_id=o.spec.key_id, kernel=o.spec.kernel, workload=o.spec.workload_desc,
                 backend=o.spec.backend, evaluated=o.evaluated, resumed=o.resumed,
                 counts={k: v for k, v in o.counts.items() if v}, stop_reason=o.stop_reason,
