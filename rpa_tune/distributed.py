@@ -660,7 +660,7 @@ def run_distributed(spec, store, storage_text: str, *, events=None, pool_env: di
     sweep_id = uuid.uuid4().hex[:12]
     before = {r["config_id"] for r in sess.study_rows()}
     events.start(spec, plan, sess.total)
-    poll = max(0.2, min(2.0, heartbeat / 2))
+    poll = max(0.2, min(0.5, heartbeat / 2))
     pool = engine.WorkerPool(spec.backend, 1 if spec.backend == "tpu" else spec.jobs, env=pool_env)
     sess.start_heartbeats()
     try:
