@@ -119,10 +119,16 @@ def _quiet_optuna():
     return optuna
 
 
-def open_storage(text: str, *, heartbeat: float | None = None, grace: float | None = None):
+def open_storage(text: str, *, heartbeat: float | None = None, grace: float | None = None,
+                 must_exist: bool = False):
     """An Optuna storage for ``text`` (``parse_storage``). With ``heartbeat``, stale trials
-    are failed after ``grace`` s and retried (``retry_callback``)."""
+    are failed after ``grace`` s and retried (``retry_callback``). ``must_exist`` (readers:
+    status, export): an SQLite or journal file that does not exist is an error, not created."""
     su = parse_storage(text)
+    if must_exist and su.kind != "postgresql":
+        path = su.url if su.kind == "journal" else su.url[len("sqlite:///"):]
+        if not Path(path).is_file():
+            raise StorageError(f"--storage {su.given!r}: no such file {path!r} (no sweep has used it)")
     optuna = _quiet_optuna()
     if su.kind == "journal":
         from optuna.storages.journal import JournalFileBackend
@@ -735,7 +741,7 @@ def rpa_studies(storage) -> list:
 
 def rows_from_storage(text: str) -> list[dict]:
     """Every result row stored in the rpa-tune studies of ``text``."""
-    storage = open_storage(text)
+    storage = open_storage(text, must_exist=True)
     rows = []
     for s in rpa_studies(storage):
         for t in storage.get_all_trials(s._study_id, deepcopy=False):
@@ -762,7 +768,7 @@ class StudyStatus:
 
 
 def study_status(text: str) -> list[StudyStatus]:
-    storage = open_storage(text)
+    storage = open_storage(text, must_exist=True)
     import optuna
     TS = optuna.trial.TrialState
     out = []

@@ -30,13 +30,18 @@ SWEEP = ["sweep", "--tpu", "v6e", "--backend", "compile", "--heartbeat", "1", "-
 HEURISTIC = "bq1_bkv1024_cq1_ckv512"        # the decode key's heuristic: the first config planned
 
 
-def planned_labels(case="decode") -> set[str]:
+def make_spec(case="decode", **kw) -> SweepSpec:
     w, desc = make_workload(case, LIM)
     key = TuningKey("v6e", case, MODEL.q_dtype, MODEL.kv_dtype, MODEL.num_q_heads, MODEL.num_kv_heads,
                     MODEL.head_dim, LIM.page_size, LIM.max_num_tokens, LIM.max_model_len)
-    spec = SweepSpec(key=key, model=MODEL, limits=LIM, workload=w, workload_desc=desc,
-                     case_space=load_space("v6e").for_case(case), backend="compile", search="grid", budget=1000)
-    return {bs.label() for bs in plan_sweep(spec).candidates}
+    args = dict(backend="compile", search="grid", budget=1000)
+    args.update(kw)
+    return SweepSpec(key=key, model=MODEL, limits=LIM, workload=w, workload_desc=desc,
+                     case_space=load_space("v6e").for_case(case), **args)
+
+
+def planned_labels(case="decode") -> set[str]:
+    return {bs.label() for bs in plan_sweep(make_spec(case)).candidates}
 
 
 @pytest.fixture(scope="module")
@@ -148,8 +153,7 @@ def test_two_workers_share_one_sweep(kind, tmp_path, request):
         assert "0 evaluated" in again.stdout and not logged(tmp_path, "w3")
 
 
-@pytest.mark.parametrize("kind", ["postgres", pytest.param("journal", marks=pytest.mark.slow),
-                                  pytest.param("sqlite", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("kind", ["postgres", "journal", pytest.param("sqlite", marks=pytest.mark.slow)])
 def test_kill_9_worker_its_config_is_redone_once(kind, tmp_path, request):
     """SIGKILL a worker in the middle of an evaluation: after the grace period the other
     worker gets the config back and evaluates it once; nothing the killed worker finished
@@ -232,14 +236,26 @@ def test_tpe_with_a_budget_two_workers_never_evaluate_a_config_twice(tmp_path):
      ["cannot open --storage 'postgresql://rpa:***@127.0.0.1:1/x'", "Connection refused"]),
     (["status", "--storage", "mysql://h/x"], ["'mysql://h/x' is not a supported storage"]),
     (["export", "--results", "postgresql://rpa@127.0.0.1:1/x", "--out", "T"], ["cannot open", "Connection refused"]),
+    (["status", "--storage", "sqlite:///{tmp}/none.db"], ["none.db' (no sweep has used it)"]),
+    (["export", "--results", "{tmp}/none.journal", "--out", "T"], ["none.journal' (no sweep has used it)"]),
 ])
 def test_bad_storage_exits_2_with_one_line(tmp_path, args, needles):
+    args = [a.replace("{tmp}", str(tmp_path)) for a in args]
     r = run([*args, *(["--results", str(tmp_path / "res")] if args[0] == "sweep" else [])], env_for(tmp_path, "bad"))
     lines = [l for l in r.stderr.splitlines() if l.strip()]
     assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("rpa-tune: error: "), r.stderr
     for n in needles:
         assert n in lines[0], lines[0]
     assert "secret" not in r.stderr and not (tmp_path / "res").exists()
+    assert not list(tmp_path.glob("none.*")), "reading a storage creates nothing"
+
+
+def test_status_help():
+    r = run(["status", "--help"], dict(os.environ, COLUMNS="200"))
+    assert r.returncode == 0 and "--storage" in r.stdout and "--json" in r.stdout
+    r = run(["sweep", "--help"], dict(os.environ, COLUMNS="200"))
+    for o in ("--storage", "--heartbeat", "--grace"):
+        assert o in r.stdout
 
 
 def test_missing_postgres_driver_is_one_line(tmp_path):
@@ -251,3 +267,31 @@ def test_missing_postgres_driver_is_one_line(tmp_path):
     r = run(["status", "--storage", "postgresql://rpa@127.0.0.1:5432/x"], env)
     assert r.returncode == 2 and r.stderr.count("\n") == 1
     assert "needs the PostgreSQL driver psycopg2: pip install 'rpa-tune[distributed]'" in r.stderr
+
+
+def test_a_config_enqueued_twice_is_claimed_once(tmp_path, monkeypatch):
+    """A joining worker that found the plan unfinished (its creator died before marking it)
+    enqueues it again: each config is still handed out once, the copy is skipped."""
+    from rpa_tune.distributed import Session, open_storage
+    from rpa_tune.engine import sweep_context
+    monkeypatch.setenv("RPA_TUNE_KERNEL_HASH", "dist-test")
+    spec = make_spec()
+    plan, ctx = plan_sweep(spec), sweep_context(spec)
+    url = f"sqlite:///{tmp_path / 'study.db'}"
+    first = Session(open_storage(url), spec, plan, ctx, where=url)
+    first.study.set_user_attr("enqueued", "joiner")
+    first._enqueue(first.study, first.planned)                  # every config twice in the queue
+    second = Session(open_storage(url), spec, plan, ctx, where=url)
+    claimed = []
+    workers = [first, second]
+    while workers:
+        for w in list(workers):
+            got = w.claim()
+            if got is None:
+                workers.remove(w)
+                continue
+            claimed.append(got[1].label())
+            w.finish(got[0], {"status": "ok", "metric": 1e-4, "config_id": got[1].label()})
+    assert sorted(claimed) == sorted(planned_labels())
+    skipped = [t for t in first.study.get_trials() if t.user_attrs.get("skipped") == "duplicate"]
+    assert len(skipped) == len(claimed)
