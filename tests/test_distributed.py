@@ -237,6 +237,8 @@ def test_tpe_with_a_budget_two_workers_never_evaluate_a_config_twice(tmp_path):
     (["status", "--storage", "mysql://h/x"], ["'mysql://h/x' is not a supported storage"]),
     (["export", "--results", "postgresql://rpa@127.0.0.1:1/x", "--out", "T"], ["cannot open", "Connection refused"]),
     (["status", "--storage", "sqlite:///{tmp}/none.db"], ["none.db' (no sweep has used it)"]),
+    (["sweep", "--tpu", "v6e", "--backend", "compile", "--storage", "sqlite:///{tmp}/none.db", "--retry", "crash"],
+     ["--retry cannot be combined with --storage"]),
     (["export", "--results", "{tmp}/none.journal", "--out", "T"], ["none.journal' (no sweep has used it)"]),
 ])
 def test_bad_storage_exits_2_with_one_line(tmp_path, args, needles):
@@ -295,3 +297,25 @@ def test_a_config_enqueued_twice_is_claimed_once(tmp_path, monkeypatch):
     assert sorted(claimed) == sorted(planned_labels())
     skipped = [t for t in first.study.get_trials() if t.user_attrs.get("skipped") == "duplicate"]
     assert len(skipped) == len(claimed)
+
+
+def test_ctrl_c_gives_the_claimed_config_back_at_once(tmp_path):
+    """Ctrl-C (SIGINT) of a worker: its claimed configs go back to the study at once (no
+    waiting for --grace); the next worker evaluates them."""
+    url = f"sqlite:///{tmp_path / 'study.db'}"
+    args = ["sweep", "--tpu", "v6e", "--backend", "compile", "--case", "decode", "--search", "grid", "--jobs", "1",
+            "--grace", "600", "--storage", url]
+    a = start(args + ["--results", str(tmp_path / "resA")],
+              env_for(tmp_path, "A", RPA_TUNE_FAKE_BEHAVIOUR=f"{HEURISTIC}=hang"), "A", tmp_path)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and HEURISTIC not in logged(tmp_path, "A"):
+        time.sleep(0.05)
+    a.send_signal(signal.SIGINT)
+    rc, out, err = finish(a, "A", tmp_path, timeout=60)
+    assert rc == 130, err[-2000:]
+    st = json.loads(run(["status", "--storage", url, "--json"], env_for(tmp_path, "s")).stdout)[0]
+    assert (st["done"], st["running"], st["waiting"], st["given_back"]) == (0, 0, 18, 1)
+    t0 = time.monotonic()
+    b = run(args + ["--results", str(tmp_path / "resB")], env_for(tmp_path, "B"))
+    assert b.returncode == 0 and time.monotonic() - t0 < 60, b.stderr[-2000:]
+    assert sorted(logged(tmp_path, "B")) == sorted(planned_labels())
