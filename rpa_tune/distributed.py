@@ -515,6 +515,14 @@ class Session:
                     return None
             bs = _bs_of(trial)
             tid, number = trial._trial_id, trial.number
+            inherited = trial.user_attrs     # a retried trial carries its failed attempt's attributes
+            if inherited.get("skipped"):     # its worker died while skipping it
+                self._skip(tid, str(inherited["skipped"]))
+                continue
+            if "row" in inherited:           # its worker died between recording the row and the tell
+                self.numbers[tid] = number
+                self.finish(tid, _row_from_json(inherited["row"]))
+                continue
             if bs is None or bs not in self.cand_set:
                 self._skip(tid, "not a candidate")
                 self.misses += 1

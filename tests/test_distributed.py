@@ -319,3 +319,27 @@ def test_ctrl_c_gives_the_claimed_config_back_at_once(tmp_path):
     b = run(args + ["--results", str(tmp_path / "resB")], env_for(tmp_path, "B"))
     assert b.returncode == 0 and time.monotonic() - t0 < 60, b.stderr[-2000:]
     assert sorted(logged(tmp_path, "B")) == sorted(planned_labels())
+
+
+def test_a_worker_dead_after_recording_its_row_is_not_redone(tmp_path, monkeypatch):
+    """A worker that died between storing a config's row and telling Optuna: the config's
+    retried trial is closed with the stored row, never handed out for evaluation."""
+    from rpa_tune.distributed import Session, open_storage, retry_callback
+    from rpa_tune.engine import sweep_context
+    import optuna
+    monkeypatch.setenv("RPA_TUNE_KERNEL_HASH", "dist-test")
+    spec = make_spec(budget=2)
+    plan, ctx = plan_sweep(spec), sweep_context(spec)
+    url = str(tmp_path / "study.journal")
+    s = Session(open_storage(url), spec, plan, ctx, where=url)
+    tid, bs = s.claim()
+    s.storage.set_trial_user_attr(tid, "row", json.dumps({"status": "ok", "metric": 2e-4, "config_id": "c1"}))
+    s.storage.set_trial_state_values(tid, optuna.trial.TrialState.FAIL)        # as fail_stale would
+    retry_callback(3)(s.study, s.storage.get_trial(tid))
+    other = s.claim()
+    assert other is not None and other[1] != bs, "the retried trial is not handed out again"
+    s.finish(other[0], {"status": "ok", "metric": 3e-4, "config_id": "c2"})
+    assert s.claim() is None
+    done = [t for t in s.study.get_trials() if t.state == optuna.trial.TrialState.COMPLETE]
+    assert len(done) == 2
+    assert {json.loads(t.user_attrs["row"])["config_id"] for t in done} == {"c1", "c2"}
