@@ -414,7 +414,10 @@ class Session:
         t0 = time.perf_counter()
         try:
             if self.rdb:
-                self.optuna.storages.fail_stale_trials(self.study)
+                import warnings
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", self.optuna.exceptions.ExperimentalWarning)
+                    self.optuna.storages.fail_stale_trials(self.study)
                 return
             now = time.time()
             TS = self.optuna.trial.TrialState

@@ -72,10 +72,16 @@ def env_for(tmp_path: Path, name: str, **extra) -> dict:
     return e
 
 
+def _default_sigint():
+    # a test runner started in the background (`cmd &`) ignores SIGINT, and so would the
+    # worker: Python installs its KeyboardInterrupt handler only when SIGINT is not ignored
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def start(args, env, name, tmp_path):
     out = open(tmp_path / f"{name}.out", "w")
     err = open(tmp_path / f"{name}.err", "w")
-    return subprocess.Popen([RPA_TUNE, *args], env=env, stdout=out, stderr=err)
+    return subprocess.Popen([RPA_TUNE, *args], env=env, stdout=out, stderr=err, preexec_fn=_default_sigint)
 
 
 def finish(p, name, tmp_path, timeout=180):
@@ -311,7 +317,10 @@ def test_ctrl_c_gives_the_claimed_config_back_at_once(tmp_path):
     while time.monotonic() < deadline and HEURISTIC not in logged(tmp_path, "A"):
         time.sleep(0.05)
     a.send_signal(signal.SIGINT)
-    rc, out, err = finish(a, "A", tmp_path, timeout=60)
+    try:
+        rc, out, err = finish(a, "A", tmp_path, timeout=60)
+    finally:
+        a.kill()
     assert rc == 130, err[-2000:]
     st = json.loads(run(["status", "--storage", url, "--json"], env_for(tmp_path, "s")).stdout)[0]
     assert (st["done"], st["running"], st["waiting"], st["given_back"]) == (0, 0, 18, 1)
