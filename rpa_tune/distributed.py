@@ -713,9 +713,13 @@ def run_distributed(spec, store, storage_text: str, *, events=None, pool_env: di
                                       prov=ctx.prov, config=ctx.config_id(bs), wid=ctx.wid,
                                       ev_version=ctx.ev_version, sweep_id=sweep_id,
                                       heuristic=bs == plan.heuristic, predicted=plan.predicted.get(bs))
-                store.append([row])
+                # the study first: a worker killed between the two writes leaves the row in the
+                # study (not redone, and exported from there) rather than only in its own store
+                try:
+                    sess.finish(tid, row)
+                finally:
+                    store.append([row])
                 recorded[row["config_id"]] = row
-                sess.finish(tid, row)
                 outcome.evaluated += 1
                 engine.note_row(outcome, row)
                 events.finished(row, outcome)
@@ -751,13 +755,17 @@ def rpa_studies(storage) -> list:
 
 
 def rows_from_storage(text: str) -> list[dict]:
-    """Every result row stored in the rpa-tune studies of ``text``."""
+    """Every result row stored in the rpa-tune studies of ``text``, each evaluation once (a
+    retried trial may carry the row of its failed attempt)."""
     storage = open_storage(text, must_exist=True)
-    rows = []
+    rows, seen = [], set()
     for s in rpa_studies(storage):
         for t in storage.get_all_trials(s._study_id, deepcopy=False):
             if "row" in t.user_attrs:
-                rows.append(_row_from_json(t.user_attrs["row"]))
+                r = _row_from_json(t.user_attrs["row"])
+                if (r.get("config_id"), r.get("sweep_id")) not in seen:
+                    seen.add((r.get("config_id"), r.get("sweep_id")))
+                    rows.append(r)
     return rows
 
 
