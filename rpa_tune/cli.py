@@ -1,6 +1,7 @@
 """``rpa-tune``: find the block sizes of the Ragged Paged Attention kernel.
 
-Commands: ``sweep`` (tune), ``show`` (winners), ``compare`` (our kernel vs tpu-inference's), ``verify`` (check winners in interpret
+Commands: ``sweep`` (tune; ``--storage`` shares one sweep among many workers), ``status``
+(progress of a shared sweep), ``show`` (winners), ``compare`` (our kernel vs tpu-inference's), ``verify`` (check winners in interpret
 mode), ``doctor`` (what works on this machine); ``export``, ``diff`` and ``precompile`` in
 ``cli_tables``. Bad input exits with code 2 and a one-line message before anything is
 written (``cli_common``).
@@ -108,6 +109,16 @@ def sweep(
                                        "e.g. --retry timeout --retry crash."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan (candidates, pre-filter) and exit "
                                  "without evaluating or writing anything."),
+    storage: Optional[str] = typer.Option(None, "--storage", help="Share the sweep with every worker started with "
+                                          "the same command and URL: postgresql://USER@HOST/DB (a fleet), "
+                                          "sqlite:///PATH.db or PATH.journal (one machine). Configs are claimed "
+                                          "through Optuna's storage (none is evaluated twice); rows go to "
+                                          "--results and to the storage. Default: this process alone.",
+                                          show_default=False),
+    heartbeat: float = typer.Option(10.0, "--heartbeat", min=1, help="--storage: seconds between a worker's "
+                                    "heartbeats for the configs it evaluates."),
+    grace: float = typer.Option(60.0, "--grace", min=2, help="--storage: a config whose worker has not beaten "
+                                "for this long is given back to the study and evaluated by another worker."),
     json_out: JsonFlag = False,
 ):
     """Tune block sizes for one TPU generation and case(s); results go to --results."""
@@ -120,20 +131,49 @@ def sweep(
             search=value(search), budget=budget, patience=patience, jobs=jobs, timeout=timeout, results=results,
             space=space, retry=[value(r) for r in retry], dry_run=dry_run, sliding_window=sliding_window,
             kernel=value(kernel))
+        if storage is not None:
+            from .distributed import StorageError, parse_storage
+            try:
+                parse_storage(storage)
+            except StorageError as e:
+                raise UsageError(str(e)) from None
     except UsageError as e:
         fail(str(e))
     from . import ui
     from .engine import run_sweep
     from .store import ResultStore
     store = ResultStore(results)
+    opened = None
+    if storage is not None and not dry_run:
+        from .distributed import StorageError, open_storage, run_distributed
+        if retry:
+            fail("--retry cannot be combined with --storage (the study already holds those configs; "
+                 "rerun them in a new storage)")
+        try:
+            opened = open_storage(storage, heartbeat=heartbeat, grace=max(grace, 2 * heartbeat))
+        except StorageError as e:
+            fail(str(e))
     outcomes = []
     for spec in specs:
         if dry_run:
             ui.print_plan(spec, backend_note, results, json_out=json_out)
             continue
-        ui.print_header(spec, backend_note, results)
-        with ui.sweep_progress() as progress:
-            outcome = run_sweep(spec, store, events=progress)
+        if opened is not None:
+            from .distributed import parse_storage
+            ui.print_header(spec, backend_note, results, storage=parse_storage(storage).display())
+        else:
+            ui.print_header(spec, backend_note, results)
+        if opened is not None:
+            from .distributed import StudyMismatch
+            try:
+                with ui.sweep_progress() as progress:
+                    outcome = run_distributed(spec, store, storage, events=progress, heartbeat=heartbeat,
+                                              grace=max(grace, 2 * heartbeat), storage=opened)
+            except (StudyMismatch, StorageError) as e:
+                fail(str(e))
+        else:
+            with ui.sweep_progress() as progress:
+                outcome = run_sweep(spec, store, events=progress)
         outcomes.append(outcome)
         if not json_out:
             ui.print_summary(outcome, store)
@@ -321,6 +361,28 @@ def doctor(
     from . import ui
     from .report import doctor_report
     ui.print_doctor(doctor_report(tpu=tpu, quick=quick))
+
+
+@app.command()
+def status(
+    storage: str = typer.Option(..., "--storage", help="The URL the workers were started with "
+                                "(postgresql://..., sqlite:///PATH.db, PATH.journal)."),
+    json_out: JsonFlag = False,
+):
+    """Progress of the sweeps in a --storage: per study, configs done / running / left, best so far, workers seen."""
+    from . import ui
+    from .distributed import StorageError, parse_storage, study_status
+    try:
+        where = parse_storage(storage).display()
+        studies = study_status(storage)
+    except StorageError as e:
+        fail(str(e))
+    if json_out:
+        ui.print_json([ui.status_dict(s) for s in studies])
+    else:
+        ui.print_status(studies, where)
+    if not studies:
+        fail(f"no rpa-tune study in {where}", code=1)
 
 
 @app.command()

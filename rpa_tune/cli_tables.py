@@ -56,8 +56,10 @@ def _fmt_pct(v) -> str:
 
 # ------------------------------------------------------------------------------ export
 def export_cmd(
-    results: List[Path] = typer.Option(..., "--results", "-r", help="Results dataset dir or .parquet file; "
-                                       "repeat to merge several sweeps / machines."),
+    results: List[str] = typer.Option(..., "--results", "-r", help="Results dataset dir or .parquet file, or "
+                                      "a sweep's --storage URL (postgresql://..., sqlite:///..., a .journal "
+                                      "file); repeat to merge several sweeps / machines (a row found in "
+                                      "several is kept once)."),
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="--format tables: the tables directory "
                                        "(<generation>.json + .parquet; tpu-inference's in its tpu-inference/ "
                                        "subdirectory); an existing table there is merged with the results (see "

@@ -378,6 +378,10 @@ class Outcome:
     stop_reason: str = ""
     elapsed_s: float = 0.0
     search_note: str = ""
+    study: str = ""                  # --storage: the Optuna study this worker joined
+    storage_s: float | None = None   # --storage: wall time in storage calls (claims, tells, checks)
+    storage_calls: int = 0
+    storage_join_s: float | None = None   # --storage: creating / joining the study
 
 
 class Events:
@@ -387,6 +391,54 @@ class Events:
     def resumed(self, row: dict) -> None: ...
     def dispatched(self, bs: BlockSizes) -> None: ...
     def finished(self, row: dict, outcome: Outcome) -> None: ...
+
+
+@dataclasses.dataclass
+class SweepContext:
+    """What every row of a sweep records: the tuned kernel, provenance, the versions in its
+    config ids and the workload id (one definition for local and distributed sweeps)."""
+
+    spec: SweepSpec
+    kernel: object
+    prov: dict
+    kversion: str | None
+    ev_version: str
+    wid: str
+
+    def config_id(self, bs) -> str:
+        return config_id(self.spec.key_id, self.wid, bs, self.spec.backend, self.kversion, self.ev_version)
+
+
+def sweep_context(spec: SweepSpec) -> SweepContext:
+    kern = spec.tuned_kernel
+    prov = provenance.provenance()
+    kversion = kern.config_version()
+    if not kern.is_ours:       # the public kernel's rows record its version, not our kernel's hashes
+        prov = dict(prov, kernel_hash=kversion, kernel_source_hash=None)
+    prov["kernel"], prov["kernel_version"] = kern.name, kern.version()
+    ev_version = evaluator_version(spec.backend)
+    wid = workload_id(spec.workload)
+    if spec.sliding_window is not None:   # another window is another problem (full attention keeps its ids)
+        wid = f"{wid}-sw{spec.sliding_window}"
+    return SweepContext(spec, kern, prov, kversion, ev_version, wid)
+
+
+def note_row(outcome: Outcome, row: dict) -> None:
+    """Count a finished row in ``outcome`` (statuses, best, the heuristic's row)."""
+    outcome.counts[row["status"]] = outcome.counts.get(row["status"], 0) + 1
+    if row["status"] == base.OK and row.get("metric") is not None:
+        if outcome.best is None or row["metric"] < outcome.best["metric"]:
+            outcome.best = row
+    if row.get("is_heuristic"):
+        outcome.heuristic_row = row
+
+
+def make_task(spec: SweepSpec, plan: Plan, bs: BlockSizes) -> Task:
+    return Task(backend=spec.backend, generation=spec.generation, case=spec.case.value,
+                model=spec.model, limits=spec.limits, workload=spec.workload, bs=bs,
+                timeout=float(spec.timeout), seed=spec.seed,
+                vmem_predicted_bytes=plan.predicted.get(bs), sliding_window=spec.sliding_window,
+                kernel=spec.tuned_kernel.name)
 
 
 def run_sweep(spec: SweepSpec, store: ResultStore, *, events: Events | None = None,
@@ -399,33 +451,17 @@ def run_sweep(spec: SweepSpec, store: ResultStore, *, events: Events | None = No
                          first=plan.heuristic, patience=spec.patience, jobs=spec.jobs)
     outcome.search_note = search.fallback
     total = min(spec.budget, len(plan.candidates))
-    kern = spec.tuned_kernel
-    prov = provenance.provenance()
-    kversion = kern.config_version()
-    if not kern.is_ours:       # the public kernel's rows record its version, not our kernel's hashes
-        prov = dict(prov, kernel_hash=kversion, kernel_source_hash=None)
-    prov["kernel"], prov["kernel_version"] = kern.name, kern.version()
-    ev_version = evaluator_version(spec.backend)
-    wid = workload_id(spec.workload)
-    if spec.sliding_window is not None:   # another window is another problem (full attention keeps its ids)
-        wid = f"{wid}-sw{spec.sliding_window}"
-    key_id = spec.key_id
+    ctx = sweep_context(spec)
+    prov, ev_version, wid = ctx.prov, ctx.ev_version, ctx.wid
+    cid = ctx.config_id
     recorded = store.recorded()
     sweep_id = uuid.uuid4().hex[:12]
     events.start(spec, plan, total)
     asked = 0
     exhausted = False
 
-    def cid(bs):
-        return config_id(key_id, wid, bs, spec.backend, kversion, ev_version)
-
     def note(row):
-        outcome.counts[row["status"]] = outcome.counts.get(row["status"], 0) + 1
-        if row["status"] == base.OK and row.get("metric") is not None:
-            if outcome.best is None or row["metric"] < outcome.best["metric"]:
-                outcome.best = row
-        if row.get("is_heuristic"):
-            outcome.heuristic_row = row
+        note_row(outcome, row)
 
     pool = WorkerPool(spec.backend, 1 if spec.backend == "tpu" else spec.jobs, env=pool_env)
     try:
@@ -445,12 +481,7 @@ def run_sweep(spec: SweepSpec, store: ResultStore, *, events: Events | None = No
                     search.tell(bs, prev["status"], prev.get("metric"))
                     events.resumed(prev)
                     continue
-                task = Task(backend=spec.backend, generation=spec.generation, case=spec.case.value,
-                            model=spec.model, limits=spec.limits, workload=spec.workload, bs=bs,
-                            timeout=float(spec.timeout), seed=spec.seed,
-                            vmem_predicted_bytes=plan.predicted.get(bs), sliding_window=spec.sliding_window,
-                            kernel=kern.name)
-                pool.submit(task, bs)
+                pool.submit(make_task(spec, plan, bs), bs)
                 events.dispatched(bs)
             if pool.busy == 0:
                 break

@@ -65,10 +65,33 @@ OPTIONAL_COLUMNS = ("unit", "samples", "spread", "cycles", "compile_s", "backend
 def read_results(paths: Iterable):
     """All result rows as a pandas DataFrame, read by the store's one reader
     (``rpa_tune.store.read_results_table``); ``df.attrs["damaged"]`` lists the skipped
-    damaged files as ``(file, reason)``."""
-    from .store import read_results_table
-    got = read_results_table(paths)
-    df = normalize_results(got.table.to_pandas())
+    damaged files as ``(file, reason)``.
+
+    A source that is a storage URL (``postgresql://...``, ``sqlite:///...``, a ``.journal``
+    file: ``rpa-tune sweep --storage``) adds the rows its studies hold; a row found both
+    in a results directory and in a storage (same ``config_id`` and ``sweep_id``: one
+    evaluation) is kept once. A storage that cannot be read raises ``ValueError``."""
+    import pyarrow as pa
+    from .distributed import StorageError, is_storage_url, rows_from_storage
+    from .store import COLUMNS, SCHEMA, read_results_table
+    paths = list(paths)
+    urls = [str(p) for p in paths if is_storage_url(str(p)) and not Path(str(p)).is_dir()]
+    got = read_results_table([p for p in paths if str(p) not in urls])
+    table = got.table
+    if urls:
+        rows = []
+        for u in urls:
+            try:
+                rows += rows_from_storage(u)
+            except StorageError as e:
+                raise ValueError(str(e)) from None
+        if rows:
+            extra = pa.Table.from_pylist([{c: r.get(c) for c in COLUMNS} for r in rows], schema=SCHEMA)
+            table = pa.concat_tables([table, extra])
+    df = table.to_pandas()
+    if urls and len(df):
+        df = df.drop_duplicates(["config_id", "sweep_id"], ignore_index=True)
+    df = normalize_results(df)
     df.attrs["damaged"] = list(got.damaged)
     return df
 

@@ -78,7 +78,7 @@ def _plan_line(plan: Plan) -> str:
             f"pre-filter)")
 
 
-def print_header(spec: SweepSpec, backend_note: str, results) -> None:
+def print_header(spec: SweepSpec, backend_note: str, results, storage: str | None = None) -> None:
     plan = plan_sweep(spec)
     k = spec.key
     err.print(f"[bold]rpa-tune sweep[/] {k.generation} {k.case}: {spec.model_label or shape_label(k.as_dict())}")
@@ -89,6 +89,8 @@ def print_header(spec: SweepSpec, backend_note: str, results) -> None:
     err.print(f"  backend   {spec.backend} ({backend_note}); search {spec.search}, budget {spec.budget}, "
               f"seed {spec.seed}, jobs {1 if spec.backend == 'tpu' else spec.jobs}, timeout {spec.timeout:g} s")
     err.print(f"  results   {os.fspath(results)}")
+    if storage:
+        err.print(f"  storage   {escape(storage)} (shared with every worker of the same sweep)")
 
 
 def print_json(doc) -> None:
@@ -113,7 +115,10 @@ def _bs_list(r) -> list | None:
 def outcome_dict(o: Outcome) -> dict:
     """One sweep's outcome for ``sweep --json``."""
     b, h = o.best, o.heuristic_row
-    return dict(key=o.spec.key.as_dict(), key_id=o.spec.key_id, kernel=o.spec.kernel, workload=o.spec.workload_desc,
+    extra = {} if o.storage_s is None else dict(study=o.study, storage_s=round(o.storage_s, 4),
+                                                storage_calls=o.storage_calls,
+                                                storage_join_s=round(o.storage_join_s or 0.0, 4))
+    return extra | dict(key=o.spec.key.as_dict(), key_id=o.spec.key_id, kernel=o.spec.kernel, workload=o.spec.workload_desc,
                 backend=o.spec.backend, evaluated=o.evaluated, resumed=o.resumed,
                 counts={k: v for k, v in o.counts.items() if v}, stop_reason=o.stop_reason,
                 interrupted=o.interrupted, elapsed_s=round(o.elapsed_s, 3),
@@ -481,4 +486,32 @@ def print_presets(presets) -> None:
     for p in presets.values():
         t.add_row(p.name, str(p.num_q_heads), str(p.num_kv_heads), str(p.head_dim), f"{p.q_dtype}/{p.kv_dtype}",
                   p.description)
+    out.print(t)
+
+
+# ============================================================================ status
+def status_dict(s) -> dict:
+    """One study of ``rpa-tune status --json``."""
+    b = s.best
+    return dict(study=s.name, key_id=s.meta.get("key_id"), workload_id=s.meta.get("workload_id"),
+                backend=s.meta.get("backend"), kernel=s.identity.get("kernel"),
+                kernel_version=s.identity.get("kernel_version"), search=s.identity.get("search"),
+                total=s.total, done=s.done, running=s.running, waiting=s.waiting, left=s.left,
+                given_back=s.failed, counts=s.counts, workers=s.workers,
+                best=None if not b else dict(block_sizes=_bs_list(b), metric=b.get("metric")))
+
+
+def print_status(studies, where: str) -> None:
+    """``rpa-tune status``: one row per study of a storage."""
+    t = Table(title=f"rpa-tune studies in {escape(where)}")
+    for c in ("study", "key / workload / backend", "done", "running", "left", "given back", "best so far",
+              "workers"):
+        t.add_column(c, justify="right" if c in ("done", "running", "left", "given back") else "left")
+    for s in studies:
+        m = s.meta
+        b = s.best
+        t.add_row(s.name, escape(f"{m.get('key_id')} / {m.get('workload_id')} / {m.get('backend')}"),
+                  f"{s.done}/{s.total}", str(s.running), str(s.left), str(s.failed),
+                  f"{fmt_bs(b)} {fmt_time(b['metric'])}" if b else "-",
+                  f"{len(s.workers)}: " + ", ".join(s.workers))
     out.print(t)

@@ -9,6 +9,18 @@ find_python() {
   done
   return 1
 }
+# PostgreSQL server binaries for the tests of many workers on one sweep (tests/pg_server.py
+# starts a throwaway server). Optional: without them those tests skip, saying why.
+have_initdb() { command -v initdb >/dev/null 2>&1 || ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1; }
+if ! have_initdb; then
+  if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    echo "setup: installing PostgreSQL (apt-get install postgresql) for the distributed-sweep tests" >&2
+    (export DEBIAN_FRONTEND=noninteractive; apt-get update -qq && apt-get install -y -qq --no-install-recommends postgresql >/dev/null) \
+      || echo "setup: could not install postgresql; the PostgreSQL tests will be skipped" >&2
+  else
+    echo "setup: no PostgreSQL (initdb) found and apt-get as root unavailable; the PostgreSQL tests will be skipped" >&2
+  fi
+fi
 PY=$(find_python) || { echo "setup: Python 3.12 not found (set PYTHON=/path/to/python3.12)" >&2; exit 1; }
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
