@@ -171,6 +171,12 @@ def sweep(
                                               grace=max(grace, 2 * heartbeat), storage=opened)
             except (StudyMismatch, StorageError) as e:
                 fail(str(e))
+            except Exception as e:  # noqa: BLE001 - the storage went away mid-sweep
+                from .distributed import lost_storage_message
+                msg = lost_storage_message(e, storage)
+                if msg is None:
+                    raise
+                fail(msg, code=1)
         else:
             with ui.sweep_progress() as progress:
                 outcome = run_sweep(spec, store, events=progress)

@@ -203,6 +203,27 @@ def _sqlite_immediate(engine) -> None:
     engine.dispose()
 
 
+def lost_storage_message(e: BaseException, text: str) -> str | None:
+    """One line for a storage that failed in the middle of a sweep (a database connection
+    lost, a journal file gone unwritable), or None when ``e`` is not such a failure."""
+    try:
+        from sqlalchemy.exc import DBAPIError, OperationalError
+        db = (DBAPIError, OperationalError)
+    except ImportError:  # pragma: no cover - sqlalchemy comes with optuna
+        db = ()
+    from optuna.exceptions import StorageInternalError     # Optuna's wrapper of a failed commit
+    if not isinstance(e, db + (OSError, StorageInternalError)):
+        return None
+    e = e.__cause__ or e
+    try:
+        where = parse_storage(text).display()
+    except StorageError:
+        where = text
+    return (f"lost --storage {where!r} during the sweep: {_one_line(e)}. Finished rows are in --results "
+            "and in the study; rerun the same command to continue (this worker's claimed configs come "
+            "back after --grace)")
+
+
 def _one_line(e: BaseException) -> str:
     text = str(getattr(e, "orig", None) or e)
     lines = [l.strip() for l in text.splitlines() if l.strip() and not l.strip().startswith("(Background")]

@@ -357,3 +357,24 @@ def test_a_worker_dead_after_recording_its_row_is_not_redone(tmp_path, monkeypat
     done = [t for t in s.study.get_trials() if t.state == optuna.trial.TrialState.COMPLETE]
     assert len(done) == 2
     assert {json.loads(t.user_attrs["row"])["config_id"] for t in done} == {"c1", "c2"}
+
+
+def test_storage_lost_mid_sweep_is_one_line(tmp_path):
+    """The PostgreSQL server goes away while a worker evaluates: the worker stops with one
+    line (exit 1) naming the storage, and what it finished stays in its --results."""
+    if find_pg_bin() is None:
+        pytest.skip("PostgreSQL binaries (initdb, postgres) not installed: scripts/setup.sh installs postgresql")
+    args = SWEEP + ["--case", "decode", "--search", "grid", "--jobs", "1", "--results", str(tmp_path / "res")]
+    with postgres_server() as base:
+        url = create_database(base, "lost")
+        p = start(args + ["--storage", url], env_for(tmp_path, "L", RPA_TUNE_FAKE_DELAY="0.4"), "L", tmp_path)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and len(logged(tmp_path, "L")) < 3:
+            time.sleep(0.05)
+        assert len(logged(tmp_path, "L")) >= 3, "the worker started evaluating"
+    rc, out, err = finish(p, "L", tmp_path)            # the server is stopped and removed here
+    lines = [l for l in err.splitlines() if l.startswith("rpa-tune: ")]
+    assert rc == 1 and len(lines) == 1, err[-3000:]
+    assert lines[0].startswith("rpa-tune: error: lost --storage 'postgresql") and "rerun the same command" in lines[0]
+    assert "Traceback" not in err
+    assert len(store_rows(tmp_path / "res")) >= 2, "rows finished before the loss are kept"
