@@ -12,9 +12,15 @@ enqueueing, claiming, recording rows and tells, stale checks; the heartbeat thre
 counted), reported by ``sweep --json`` (``storage_s``), summed over workers and divided by
 the evaluations. Each run also checks that no config was evaluated twice.
 
+``--real``: the same with the real deviceless evaluator (``--backend compile``: libtpu's
+static profiler on the CPU, each run with an empty probe cache), written to
+``results/distributed_real.*``; there the two workers share this machine's cores, so it
+shows what a second worker buys when the evaluator itself is CPU-bound.
+
 Usage::
 
     python benchmarks/distributed.py --budget 40 --delays 1 0
+    python benchmarks/distributed.py --real --case decode --budget 4 --storages local journal
 """
 from __future__ import annotations
 
@@ -39,9 +45,12 @@ RPA_TUNE = str(Path(sys.executable).with_name("rpa-tune"))
 
 
 def run_workers(n: int, storage: str | None, d: Path, args, delay: float) -> dict:
-    env = dict(os.environ, RPA_TUNE_EVALUATOR_OVERRIDE="tune_fakes:make_evaluator",
-               RPA_TUNE_KERNEL_HASH="bench-distributed", RPA_TUNE_FAKE_DELAY=str(delay),
-               PYTHONPATH=os.pathsep.join([str(TESTS), str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    if args.real:       # the real evaluator, every run from an empty probe cache
+        env = dict(os.environ, RPA_TUNE_PROBE_CACHE=str(d / "probes"))
+    else:
+        env = dict(os.environ, RPA_TUNE_EVALUATOR_OVERRIDE="tune_fakes:make_evaluator",
+                   RPA_TUNE_KERNEL_HASH="bench-distributed", RPA_TUNE_FAKE_DELAY=str(delay),
+                   PYTHONPATH=os.pathsep.join([str(TESTS), str(ROOT), os.environ.get("PYTHONPATH", "")]))
     base = [RPA_TUNE, "sweep", "--tpu", "v6e", "--case", args.case, "--backend", "compile", "--search", "grid",
             "--budget", str(args.budget), "--jobs", str(args.jobs), "--json"]
     if storage:
@@ -61,6 +70,11 @@ def run_workers(n: int, storage: str | None, d: Path, args, delay: float) -> dic
         docs.append(json.loads(out)[0])
     evaluated = []
     for i in range(n):
+        if args.real:        # the configs each worker's results store holds (it evaluated them)
+            from rpa_tune.store import ResultStore
+            res = d / f"res-{i}"
+            evaluated += list(ResultStore(res).read().config_id) if res.exists() else []
+            continue
         f = d / f"eval-{i}.log"
         evaluated += f.read_text().split() if f.exists() else []
     storage_s = sum(doc.get("storage_s") or 0.0 for doc in docs)
@@ -82,8 +96,14 @@ def main():
                     help="seconds the fake evaluator sleeps per config (one table block each)")
     ap.add_argument("--jobs", type=int, default=1)
     ap.add_argument("--storages", nargs="+", default=["local", "sqlite", "journal", "postgres"])
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "distributed"))
+    ap.add_argument("--real", action="store_true",
+                    help="the real deviceless evaluator (compile) instead of the fake; --delays is ignored")
+    ap.add_argument("--out", default=None, help="default: results/distributed (--real: distributed_real)")
     args = ap.parse_args()
+    if args.out is None:
+        args.out = str(ROOT / "benchmarks" / "results" / ("distributed_real" if args.real else "distributed"))
+    if args.real:
+        args.delays = [0.0]
     from pg_server import create_database, find_pg_bin, postgres_server
     import contextlib
     machine = (f"{os.cpu_count()} cores, {platform.processor() or platform.machine()}, "
@@ -108,9 +128,12 @@ def main():
                         rows.append(r)
     stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     head = (f"{stamp}; machine: {machine}; `rpa-tune sweep --case {args.case} --search grid --budget "
-            f"{args.budget} --jobs {args.jobs}` per worker (llama3-8b, v6e), evaluator: the fake of "
-            f"tests/tune_fakes.py sleeping `delay` s per config (no compile); wall includes process start-up; "
-            f"storage time excludes joining the study (its own column, summed over workers)")
+            f"{args.budget} --jobs {args.jobs}` per worker (llama3-8b, v6e), evaluator: "
+            + ("the real deviceless one (`--backend compile`, libtpu's static profiler on this machine's CPU; "
+               "an empty probe cache per run; the delay column does not apply)" if args.real else
+               "the fake of tests/tune_fakes.py sleeping `delay` s per config (no compile)")
+            + "; wall includes process start-up; storage time excludes joining the study (its own column, "
+              "summed over workers)")
     lines = ["# Many workers on one sweep (`benchmarks/distributed.py`)", "", head, "",
              "| delay (s) | storage | workers | evaluations | duplicates | per worker | wall (s) | evaluations / s | "
              "join s | storage s (all workers) | storage calls | storage ms / evaluation |",
