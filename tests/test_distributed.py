@@ -378,3 +378,26 @@ def test_storage_lost_mid_sweep_is_one_line(tmp_path):
     assert lines[0].startswith("rpa-tune: error: lost --storage 'postgresql") and "rerun the same command" in lines[0]
     assert "Traceback" not in err
     assert len(store_rows(tmp_path / "res")) >= 2, "rows finished before the loss are kept"
+
+
+def test_tpe_patience_stops_a_shared_study_where_it_stops_a_local_sweep(tmp_path):
+    """TPE with --patience 3 on a storage: after the heuristic config (ok) every other config
+    fails, so after 3 evaluations without improvement the study stops, as a local sweep
+    does, and not at the budget."""
+    w, desc = make_workload("prefill", LIM)
+    key = TuningKey("v6e", "prefill", MODEL.q_dtype, MODEL.kv_dtype, MODEL.num_q_heads, MODEL.num_kv_heads,
+                    MODEL.head_dim, LIM.page_size, LIM.max_num_tokens, LIM.max_model_len)
+    plan = plan_sweep(SweepSpec(key=key, model=MODEL, limits=LIM, workload=w, workload_desc=desc,
+                                case_space=load_space("v6e").for_case("prefill"), backend="compile", search="tpe",
+                                budget=20))
+    assert plan.heuristic is not None and len(plan.candidates) > 20
+    behaviour = f"{plan.heuristic.label()}=ok;*=oom"
+    args = SWEEP + ["--case", "prefill", "--search", "tpe", "--budget", "20", "--patience", "3", "--jobs", "1"]
+    local = run(args + ["--results", str(tmp_path / "loc")], env_for(tmp_path, "loc", RPA_TUNE_FAKE_BEHAVIOUR=behaviour))
+    shared = run(args + ["--results", str(tmp_path / "sh"), "--storage", str(tmp_path / "p.journal")],
+                 env_for(tmp_path, "sh", RPA_TUNE_FAKE_BEHAVIOUR=behaviour))
+    assert local.returncode == 0 and shared.returncode == 0, shared.stderr[-3000:]
+    assert len(logged(tmp_path, "loc")) == 4, logged(tmp_path, "loc")
+    evaluated = logged(tmp_path, "sh")
+    assert evaluated[0] == plan.heuristic.label() and len(evaluated) == len(set(evaluated)) == 4, evaluated
+    assert "no improvement" in shared.stdout
