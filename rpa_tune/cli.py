@@ -159,12 +159,8 @@ def sweep(
             ui.print_plan(spec, backend_note, results, json_out=json_out)
             continue
         if opened is not None:
-            from .distributed import parse_storage
+            from .distributed import StudyMismatch, parse_storage
             ui.print_header(spec, backend_note, results, storage=parse_storage(storage).display())
-        else:
-            ui.print_header(spec, backend_note, results)
-        if opened is not None:
-            from .distributed import StudyMismatch
             try:
                 with ui.sweep_progress() as progress:
                     outcome = run_distributed(spec, store, storage, events=progress, heartbeat=heartbeat,
@@ -178,6 +174,7 @@ def sweep(
                     raise
                 fail(msg, code=1)
         else:
+            ui.print_header(spec, backend_note, results)
             with ui.sweep_progress() as progress:
                 outcome = run_sweep(spec, store, events=progress)
         outcomes.append(outcome)

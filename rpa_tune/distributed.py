@@ -288,6 +288,11 @@ def _row_from_json(text: str) -> dict:
     return r
 
 
+def trial_rows(trials) -> list[dict]:
+    """The result rows recorded on ``trials`` (their ``row`` attribute), in trial order."""
+    return [_row_from_json(t.user_attrs["row"]) for t in trials if "row" in t.user_attrs]
+
+
 class Session:
     """One worker's handle on one sweep's study: join (or create), claim, finish."""
 
@@ -671,8 +676,7 @@ class Session:
             self._timed(t0)
 
     def study_rows(self) -> list[dict]:
-        return [_row_from_json(t.user_attrs["row"]) for t in self.study.get_trials(deepcopy=False)
-                if "row" in t.user_attrs]
+        return trial_rows(self.study.get_trials(deepcopy=False))
 
 
 # ------------------------------------------------------------------- the worker loop
@@ -729,11 +733,7 @@ def run_distributed(spec, store, storage_text: str, *, events=None, pool_env: di
                 time.sleep(poll)      # others evaluate; their stale trials come back to us
                 continue
             for (tid, bs), task, res, eval_s in pool.wait(timeout=poll):
-                row = engine.make_row(spec.key, spec.limits, spec.workload, spec.workload_desc, bs, res,
-                                      backend=spec.backend, search=spec.search, seed=spec.seed, eval_s=eval_s,
-                                      prov=ctx.prov, config=ctx.config_id(bs), wid=ctx.wid,
-                                      ev_version=ctx.ev_version, sweep_id=sweep_id,
-                                      heuristic=bs == plan.heuristic, predicted=plan.predicted.get(bs))
+                row = ctx.row(plan, bs, res, eval_s, sweep_id)
                 # the study first: a worker killed between the two writes leaves the row in the
                 # study (not redone, and exported from there) rather than only in its own store
                 try:
@@ -781,12 +781,10 @@ def rows_from_storage(text: str) -> list[dict]:
     storage = open_storage(text, must_exist=True)
     rows, seen = [], set()
     for s in rpa_studies(storage):
-        for t in storage.get_all_trials(s._study_id, deepcopy=False):
-            if "row" in t.user_attrs:
-                r = _row_from_json(t.user_attrs["row"])
-                if (r.get("config_id"), r.get("sweep_id")) not in seen:
-                    seen.add((r.get("config_id"), r.get("sweep_id")))
-                    rows.append(r)
+        for r in trial_rows(storage.get_all_trials(s._study_id, deepcopy=False)):
+            if (r.get("config_id"), r.get("sweep_id")) not in seen:
+                seen.add((r.get("config_id"), r.get("sweep_id")))
+                rows.append(r)
     return rows
 
 
@@ -814,11 +812,7 @@ def study_status(text: str) -> list[StudyStatus]:
     out = []
     for s in rpa_studies(storage):
         trials = storage.get_all_trials(s._study_id, deepcopy=False)
-        rows = {}
-        for t in trials:
-            if "row" in t.user_attrs:
-                r = _row_from_json(t.user_attrs["row"])
-                rows[r["config_id"]] = r
+        rows = {r["config_id"]: r for r in trial_rows(trials)}
         running = sum(1 for t in trials if t.state == TS.RUNNING and not t.user_attrs.get("skipped"))
         waiting = sum(1 for t in trials if t.state == TS.WAITING)
         meta = s.user_attrs.get("meta", {})

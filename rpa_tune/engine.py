@@ -408,6 +408,14 @@ class SweepContext:
     def config_id(self, bs) -> str:
         return config_id(self.spec.key_id, self.wid, bs, self.spec.backend, self.kversion, self.ev_version)
 
+    def row(self, plan: Plan, bs: BlockSizes, res: EvalResult, eval_s: float, sweep_id: str) -> dict:
+        """The store row of one evaluation of ``bs`` in this sweep (``make_row``)."""
+        s = self.spec
+        return make_row(s.key, s.limits, s.workload, s.workload_desc, bs, res, backend=s.backend, search=s.search,
+                        seed=s.seed, eval_s=eval_s, prov=self.prov, config=self.config_id(bs), wid=self.wid,
+                        ev_version=self.ev_version, sweep_id=sweep_id, heuristic=bs == plan.heuristic,
+                        predicted=plan.predicted.get(bs))
+
 
 def sweep_context(spec: SweepSpec) -> SweepContext:
     kern = spec.tuned_kernel
@@ -452,16 +460,11 @@ def run_sweep(spec: SweepSpec, store: ResultStore, *, events: Events | None = No
     outcome.search_note = search.fallback
     total = min(spec.budget, len(plan.candidates))
     ctx = sweep_context(spec)
-    prov, ev_version, wid = ctx.prov, ctx.ev_version, ctx.wid
-    cid = ctx.config_id
     recorded = store.recorded()
     sweep_id = uuid.uuid4().hex[:12]
     events.start(spec, plan, total)
     asked = 0
     exhausted = False
-
-    def note(row):
-        note_row(outcome, row)
 
     pool = WorkerPool(spec.backend, 1 if spec.backend == "tpu" else spec.jobs, env=pool_env)
     try:
@@ -473,11 +476,11 @@ def run_sweep(spec: SweepSpec, store: ResultStore, *, events: Events | None = No
                     exhausted = True
                     break
                 asked += 1
-                prev = recorded.get(cid(bs))
+                prev = recorded.get(ctx.config_id(bs))
                 if prev is not None and prev["status"] not in spec.retry:
                     prev = dict(prev, is_heuristic=bs == plan.heuristic)
                     outcome.resumed += 1
-                    note(prev)
+                    note_row(outcome, prev)
                     search.tell(bs, prev["status"], prev.get("metric"))
                     events.resumed(prev)
                     continue
@@ -486,14 +489,11 @@ def run_sweep(spec: SweepSpec, store: ResultStore, *, events: Events | None = No
             if pool.busy == 0:
                 break
             for bs, task, res, eval_s in pool.wait():
-                row = make_row(spec.key, spec.limits, spec.workload, spec.workload_desc, bs, res,
-                               backend=spec.backend, search=spec.search, seed=spec.seed, eval_s=eval_s,
-                               prov=prov, config=cid(bs), wid=wid, ev_version=ev_version, sweep_id=sweep_id,
-                               heuristic=bs == plan.heuristic, predicted=plan.predicted.get(bs))
+                row = ctx.row(plan, bs, res, eval_s, sweep_id)
                 store.append([row])
                 recorded[row["config_id"]] = row
                 outcome.evaluated += 1
-                note(row)
+                note_row(outcome, row)
                 search.tell(bs, row["status"], row.get("metric"))
                 events.finished(row, outcome)
         if not plan.candidates:
