@@ -187,9 +187,7 @@ def piece(kernel: str, gen: str, case: Case, bs: BlockSizes, page: int, q_lens, 
     old = _cached(key)
     if old and old["status"] == "ok" and old.get("trace"):      # audited by today's rules
         return dict(old, audit=_audit(kernel, gen, case, page, w, variant, old["trace"]).to_json())
-    # a public piece recorded without its trace was audited without its page bound: again
-    if old and not (old["status"] == "vmem_oom" and not old.get("retried")) and not (
-            kernel == "public" and old["status"] == "ok"):
+    if old and not _compile_again(kernel, old):
         return old
     req = dict(workload=dict(q_lens=list(w.q_lens), kv_lens=list(w.kv_lens), distribution=list(w.distribution)),
                block_sizes=list(bs), tpu=gen, model=dataclasses.asdict(variant.model),
@@ -225,6 +223,12 @@ def piece(kernel: str, gen: str, case: Case, bs: BlockSizes, page: int, q_lens, 
           f" {rec['status']} {rec['cycles'] or ''} ({rec['wall_s']:.0f} s, "
           f"{(rec['max_rss_bytes'] or 0) / 2**30:.1f} GB)", flush=True)
     return rec
+
+
+def _compile_again(kernel: str, rec: dict) -> bool:
+    """Whether a recorded piece without a trace must be compiled again: a VMEM OOM recorded
+    before the retry at the raised limit, or a public piece (audited without its page bound)."""
+    return (rec["status"] == "vmem_oom" and not rec.get("retried")) or (kernel == "public" and rec["status"] == "ok")
 
 
 def _audit(kernel: str, gen: str, case: Case, page: int, w: Workload, variant: Variant, trace: dict):
