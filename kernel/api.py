@@ -219,7 +219,7 @@ def case_spec(case: Case, options: Options, *, num_kv_heads, group, head_dim, pa
         sliding_window=options.sliding_window, soft_cap=options.soft_cap,
         k_scale=options.k_scale, v_scale=options.v_scale, q_scale=options.q_scale,
         static_meta=static_meta, skip_dead_chunks=gen.skip_dead_chunks,
-        score_tile_vregs=gen.score_tile_vregs)
+        score_tile_vregs=gen.score_tile_vregs, bf16_exp=gen.bf16_exp and case != Case.DECODE)
 
 
 def default_case_vmem_limit(bs: BlockSizes, *, generation: str, num_q_heads: int, num_kv_heads: int,

@@ -3,9 +3,10 @@
 Definitions (RPA paper, section 4):
 
 * bytes moved by one call: every sequence reads its ``kv_len`` tokens (with a sliding
-  window, the ones its queries see) of merged K+V for all KV heads (``2 * Hkv * D * kv_bytes`` per token), writes its ``q_len`` new tokens
-  into the cache, reads Q and writes O (``2 * Hq * D * q_bytes`` per query token). For
-  decode with equal context lengths this is exactly the paper's
+  window, the ones its queries see) of merged K+V for all KV heads
+  (``2 * Hkv * D * kv_bytes`` per token), writes its ``q_len`` new tokens into the cache,
+  reads Q and writes O (``2 * Hq * D * q_bytes`` per query token). For decode with equal
+  context lengths this is exactly the paper's
   ``n * dk * [(ctx + 1) * 2 * hkv + 2 * hq] * bytes``.
 * FLOPs: ``4 * Hq * D`` per (query, visible key) pair (QK^T and PV), counting only the
   causal / sliding-window visible pairs.

@@ -2,7 +2,8 @@
 
 ``plan(case, bs, page_size, q_len, kv_len)`` lists, for one sequence, what ``kernel.rpa``
 does: its q blocks, and per q block the KV steps (cached context gathered page by page from
-the cache, then the new tokens read from the packed new-KV array), the pages each step
+the cache, then the new tokens read from the packed new-KV array, unless they fit in the last
+cached step's block: see ``kernel.rpa._Steps``), the pages each step
 fetches, and the ``ckv`` chunks each step computes: the chunks holding a visible key
 (decode always; prefill / mixed where the generation skips dead chunks,
 ``TpuGeneration.skip_dead_chunks``), else every chunk of the step, masked. It mirrors
@@ -41,16 +42,19 @@ def plan(case: Case | str, bs: BlockSizes, page_size: int, q_len: int, kv_len: i
         lo = max(0, q_first - sliding_window + 1) if sliding_window else 0
         c0 = lo // bkv
         nc = max(0, cdiv(ctx, bkv) - c0)
+        cached_limit = ctx
         if decode:
             n0, nn, nc = 0, 0, max(1, nc)
         else:
             n0 = max(0, lo - ctx) // bkv
             nn = max(1, cdiv(q_hi - ctx, bkv) - n0)
+            if nq == 1 and nc >= 2 and (q_hi - 1) // bkv == (ctx - 1) // bkv:
+                nn, cached_limit = 0, kv_len       # new tokens merged into the last cached step
         steps = []
         for k in range(nc + nn):
             cached = k < nc
             blk = c0 + k if cached else n0 + k - nc
-            limit = ctx if (cached or decode) else q_len
+            limit = ctx if decode else cached_limit if cached else q_len
             valid = max(0, min(bkv, limit - blk * bkv))
             base = blk * bkv if (cached or decode) else ctx + blk * bkv    # position of row 0
             if decode:
@@ -58,7 +62,7 @@ def plan(case: Case | str, bs: BlockSizes, page_size: int, q_len: int, kv_len: i
                 x_lo = min(x_hi, max(0, lo - base) // ckv) if sliding_window else 0
                 chunks = x_hi - x_lo
             elif skip_dead_chunks:
-                hi = min(ctx if cached else kv_len, q_hi)      # first position no query sees
+                hi = min(cached_limit if cached else kv_len, q_hi)      # first position no query sees
                 chunks = sum(1 for x in range(n_chunks)
                              if base + x * ckv < hi and (not sliding_window or base + (x + 1) * ckv > lo))
             else:

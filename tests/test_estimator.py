@@ -113,6 +113,9 @@ def _profile(case, w, bs, gen="v6e", model=LLAMA):
     # check in the analysis-mode compile): every decode probe of a config failed there
     ("decode", [1, 1, 1], [300, 1025, 77], BlockSizes(1, 512, 1, 256), "v5e"),
     ("prefill", [128], [128 + 640], BlockSizes(128, 512, 128, 256), "v6e"),
+    # spec-decode rows whose new tokens are read with the last cached step's pages (1154:
+    # they add a page to it)
+    ("mixed", [4, 4], [2048, 1154], BlockSizes(64, 512, 64, 256), "tpu7x"),
 ])
 def test_step_plan_matches_the_page_dmas_in_the_trace(case, q, kv, bs, gen):
     """kernel.steps mirrors the kernel's walk: the cache pages it plans are the page DMAs

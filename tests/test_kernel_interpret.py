@@ -179,3 +179,23 @@ def test_fp8_to_bf16_bits_is_exact_for_every_byte(byte):
     np.testing.assert_array_equal(got[finite], want[finite])
     np.testing.assert_array_equal(np.signbit(got[finite]), np.signbit(want[finite]))
     np.testing.assert_array_equal(np.abs(got[~finite]), [480.0, 480.0])
+
+
+@pytest.mark.parametrize("generation", ["v6e", "tpu7x"])
+@pytest.mark.parametrize("window", [None, 40])
+def test_new_tokens_merged_into_the_last_cached_step(generation, window, monkeypatch):
+    """Few new tokens that fit in the last cached step's block are read from the cache once
+    its update has landed, in that step (no step of their own); those that straddle a
+    block boundary, or follow a single cached step, keep their own step. The plan says
+    which is which, and every sequence matches the reference, cache included."""
+    from kernel.config import BlockSizes
+    from kernel.hardware import GENERATION_ENV
+    from kernel.steps import plan
+    monkeypatch.setenv(GENERATION_ENV, generation)
+    bs = BlockSizes(8, 32, 8, 16)
+    q, kv = [4, 4, 3, 5, 1], [60, 68, 30, 95, 50]
+    merged = [all(st.cached for st in plan("mixed", bs, 16, a, b, window)[0]) for a, b in zip(q, kv)]
+    assert merged == [True, False, False, True, True]
+    w = Workload.of_case("mixed", q, kv)
+    kw = {} if window is None else dict(sliding_window=window)
+    run_and_check(GQA, SMALL, w, sm_scale=0.1, m_block_sizes=tuple(bs), **kw)
