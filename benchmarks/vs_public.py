@@ -73,7 +73,7 @@ from rpa_tune.estimator import audit, compose, profiler  # noqa: E402
 from rpa_tune.estimator.calibration import calibration  # noqa: E402
 from rpa_tune.estimator.trace import TraceStats  # noqa: E402
 from kernel.hardware import tpu_info  # noqa: E402
-from rpa_tune.evaluators.base import raised_vmem_limit  # noqa: E402
+from rpa_tune.evaluators.base import next_vmem_limit  # noqa: E402
 from rpa_tune.provenance import kernel_hash  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -90,6 +90,9 @@ PAGES = (128, 256)
 PREFILL_LENS = (1024, 2048, 4096)
 MIXED_STEP = ([4, 4, 4, 4, 128], [2048, 2048, 2048, 2048, 640])   # 4 speculative-decode rows + a chunk
 RSS_CAP = 14 << 30
+# VMEM OOM retries (``piece``): 1 raised the scoped limit once; 2 also lowers it after a
+# whole-program OOM under the profiler (``rpa_tune.evaluators.base.next_vmem_limit``)
+VMEM_RULE = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,20 +201,22 @@ def piece(kernel: str, gen: str, case: Case, bs: BlockSizes, page: int, q_lens, 
     expect = json.loads(key)[1] if kernel == "ours" else None
     r = profiler.profile(KERNELS[kernel], req, timeout=1800, rss_cap=RSS_CAP, bundles=True,
                          expect_kernel_hash=expect)
-    limit = None
-    vm = r.get("vmem") or {}
-    if r["status"] == "vmem_oom" and vm.get("used_bytes"):
-        # as the tuner does (rpa_tune.evaluators.compile): once more with the scoped VMEM
-        # limit the compiler asked for, up to the chip's capacity
-        limit = raised_vmem_limit(vm["used_bytes"], vm.get("limit_bytes", 0),
-                                  int(tpu_info(gen).vmem_capacity_bytes))
-        if limit:
-            req["options"] = {**variant.options, "vmem_limit_bytes": limit}
-            r = profiler.profile(KERNELS[kernel], req, timeout=1800, rss_cap=RSS_CAP, bundles=True,
-                                 expect_kernel_hash=expect)
+    # as the tuner does (rpa_tune.evaluators.compile): after a VMEM OOM, again with the
+    # scoped limit the compiler asked for, or (a whole-program OOM under the profiler) the
+    # least limit the kernel's scoped allocations fit in
+    limit, tried = None, set()
+    while r["status"] == "vmem_oom":
+        new = next_vmem_limit(r.get("vmem") or {}, limit, int(tpu_info(gen).vmem_capacity_bytes), tried)
+        if new is None:
+            break
+        limit = new
+        tried.add(new)
+        req["options"] = {**variant.options, "vmem_limit_bytes": limit}
+        r = profiler.profile(KERNELS[kernel], req, timeout=1800, rss_cap=RSS_CAP, bundles=True,
+                             expect_kernel_hash=expect)
     rec = dict(key=key, status=r["status"], cycles=r.get("cycles"), wall_s=time.time() - t0,
                max_rss_bytes=r.get("max_rss_bytes"), message=(r.get("message") or "")[-300:],
-               vmem_limit_bytes=limit, retried=True)
+               vmem_limit_bytes=limit, retried=True, vmem_rule=VMEM_RULE)
     if r["status"] == "ok":
         rec["trace"] = r["trace"]       # a few kB: later audit rules apply without a compile
         rec["audit"] = _audit(kernel, gen, case, page, w, variant, r["trace"]).to_json()
@@ -227,8 +232,10 @@ def piece(kernel: str, gen: str, case: Case, bs: BlockSizes, page: int, q_lens, 
 
 def _compile_again(kernel: str, rec: dict) -> bool:
     """Whether a recorded piece without a trace must be compiled again: a VMEM OOM recorded
-    before the retry at the raised limit, or a public piece (audited without its page bound)."""
-    return (rec["status"] == "vmem_oom" and not rec.get("retried")) or (kernel == "public" and rec["status"] == "ok")
+    before today's retry rule (``VMEM_RULE``), or a public piece (audited without its page
+    bound)."""
+    return ((rec["status"] == "vmem_oom" and rec.get("vmem_rule", 1 if rec.get("retried") else 0) < VMEM_RULE)
+            or (kernel == "public" and rec["status"] == "ok"))
 
 
 def _audit(kernel: str, gen: str, case: Case, page: int, w: Workload, variant: Variant, trace: dict):

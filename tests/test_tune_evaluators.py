@@ -113,6 +113,53 @@ def test_vmem_limit_policy():
     assert base.raised_vmem_limit(10 * MiB, 16 * MiB, 128 * MiB) is None    # already enough
 
 
+def test_vmem_retry_raises_after_a_scoped_oom_and_lowers_after_a_whole_program_one():
+    scoped = dict(kind="scoped_limit", used_bytes=int(72.14 * MiB), limit_bytes=64 * MiB)
+    assert base.next_vmem_limit(scoped, None, 128 * MiB, set()) == base.raised_vmem_limit(
+        int(72.14 * MiB), 64 * MiB, 128 * MiB)
+    whole = dict(kind="capacity", used_bytes=int(68.41 * MiB), limit_bytes=int(63.94 * MiB),
+                 scoped_bytes=int(26.34 * MiB))
+    assert base.next_vmem_limit(whole, 32 * MiB, int(63.94 * MiB), set()) == 27 * MiB
+    assert base.next_vmem_limit(whole, 32 * MiB, int(63.94 * MiB), {27 * MiB}) is None    # tried: stop
+    assert base.next_vmem_limit(whole, 27 * MiB, int(63.94 * MiB), set()) is None         # failed at it
+    assert base.next_vmem_limit(dict(whole, scoped_bytes=0), None, 64 * MiB, set()) is None
+    assert base.next_vmem_limit(dict(whole, scoped_bytes=None), None, 64 * MiB, set()) is None  # a plain compile
+
+
+def test_scoped_allocations_are_summed_from_a_whole_program_oom_message():
+    from rpa_tune.estimator.profiler import scoped_allocation_bytes
+    block = ("\n  {n}. Size: {size}\n     Shape: bf16[2,8,128,9,2,256]\n     Tag: scratch operand\n"
+             "     Allocation type: {kind}\n     ==========================\n")
+    msg = ("Ran out of memory in memory space vmem. Used 68.41M of 63.94M vmem.\n\nProgram vmem requirement "
+           "68.41M:\n  Largest program allocations in vmem:\n"
+           + block.format(n=1, size="18.00M", kind="scoped") + block.format(n=2, size="8.25M", kind="scoped")
+           + block.format(n=3, size="4.00M", kind="global") + block.format(n=4, size="16.0K", kind="scoped"))
+    assert scoped_allocation_bytes(msg) == int(18 * MiB) + int(8.25 * MiB) + 16 * 1024
+    assert scoped_allocation_bytes("Used 10M of 8M vmem") == 0
+
+
+def test_a_whole_program_vmem_oom_under_the_profiler_fits_at_the_lowered_limit():
+    """TPU7x, head_dim 256 decode at (1, 1024, 1, 1024): the kernel's default limit fits a
+    plain compile, but under the static profiler the program passes the chip's VMEM; at
+    the least limit its scoped allocations fit in, it profiles."""
+    import dataclasses
+    from rpa_tune.estimator import profiler, compose
+    model = ModelShape(16, 8, 256)
+    lim = ServingLimits(page_size=128, max_num_tokens=64, max_num_seqs=8, max_model_len=4096)
+    w = Workload.of_case("decode", [1] * 4, [2048] * 4)
+    req = dict(workload=dict(q_lens=list(w.q_lens), kv_lens=list(w.kv_lens), distribution=list(w.distribution)),
+               block_sizes=[1, 1024, 1, 1024], tpu="tpu7x", model=dataclasses.asdict(model),
+               limits=dataclasses.asdict(lim), case="decode")
+    r = profiler.profile(compose.OURS, req, timeout=900, bundles=False, rss_cap=8 << 30)
+    assert r["status"] == "vmem_oom" and r["vmem"]["kind"] == "capacity", r.get("message")
+    cap = int(r["vmem"]["limit_bytes"])
+    new = base.next_vmem_limit(r["vmem"], None, cap, set())
+    assert new is not None and r["vmem"]["scoped_bytes"] <= new < cap // 2
+    r2 = profiler.profile(compose.OURS, dict(req, options={"vmem_limit_bytes": new}), timeout=900, bundles=False,
+                          rss_cap=8 << 30)
+    assert r2["status"] == "ok" and r2["cycles"] > 0, r2.get("message")
+
+
 def test_compile_evaluator_raises_the_limit_when_the_compiler_asks():
     """(1, 8192, 1, 2048) on v6e needs ~72 MiB of scoped VMEM: over the kernel's default
     limit (64 MiB), under the capacity. The compile backend retries with a raised limit."""

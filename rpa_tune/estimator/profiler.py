@@ -21,6 +21,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -67,6 +68,22 @@ def _rss_bytes(pid: int) -> int:
     return 0
 
 
+_SIZE = re.compile(r"Size: ([\d.]+)([KMG]?)")
+
+
+def scoped_allocation_bytes(message: str) -> int:
+    """The sum of the allocations a whole-program VMEM OOM message lists with "Allocation
+    type: scoped" (the kernel's scratch operands and the compiler's spill slots), 0 when
+    it lists none."""
+    unit = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    total = 0
+    for block in message.split("=========================="):
+        m = _SIZE.search(block)
+        if m and "Allocation type: scoped" in block:
+            total += int(float(m.group(1)) * unit[m.group(2)])
+    return total
+
+
 def _child(req: dict) -> dict:
     """Runs in the child (profiler flags already in LIBTPU_INIT_ARGS)."""
     from kernel.analysis import parse_vmem_oom
@@ -86,6 +103,8 @@ def _child(req: dict) -> dict:
         out.update(status="vmem_oom" if oom else "compile_error", message=msg[-2000:],
                    compile_s=time.perf_counter() - t1)
         if oom:
+            if oom["kind"] == "capacity":
+                oom["scoped_bytes"] = scoped_allocation_bytes(msg)
             out["vmem"] = oom
         return out
     out["compile_s"] = time.perf_counter() - t1

@@ -170,7 +170,42 @@ def raised_vmem_limit(reported_bytes: int, current_limit: int, capacity: int) ->
     (measured here: the compiler accepts limits up to the capacity and fails with
     "Ran out of memory in memory space vmem" only when the kernel's own use exceeds it).
     None when no larger limit can help."""
-    mib = 1 << 20
-    want = -(-int(reported_bytes * 1.05 + mib) // mib) * mib
-    want = min(want, int(capacity))
+    want = min(_with_headroom(reported_bytes), int(capacity))
     return want if want > current_limit and reported_bytes <= capacity else None
+
+
+def _with_headroom(nbytes: int) -> int:
+    """``nbytes`` + 5% + 1 MiB, MiB-aligned."""
+    mib = 1 << 20
+    return -(-int(nbytes * 1.05 + mib) // mib) * mib
+
+
+def lowered_vmem_limit(scoped_bytes: int, capacity: int) -> int | None:
+    """A smaller limit to retry with after a whole-program OOM ("Used X of <capacity>")
+    of a compile under libtpu's static profiler: the program's scoped allocations (the
+    kernel's scratch and spill slots, ``profiler.scoped_allocation_bytes``) + 1%,
+    MiB-aligned: the least limit they fit in.
+
+    Measured (TPU7x, head_dim 256 decode at (1, 1024, 1, 1024); v6e, head_dim 256 prefill
+    at (256, 1024, 128, 512)): the plain compile fits at the kernel's default limit, while
+    with the profiler on the program needs the scoped limit plus the scoped allocations
+    plus about 10 MiB (TPU7x: 26.3 MiB of scoped allocations; 68.4 MiB of 63.9 at the
+    default 32 MiB limit, 74.6 at 38 MiB; fits at 27 MiB, not at 29). None when the
+    smaller limit would not be below capacity."""
+    mib = 1 << 20
+    want = -(-int(scoped_bytes * 1.01) // mib) * mib
+    return want if 0 < scoped_bytes and want < capacity else None
+
+
+def next_vmem_limit(vmem: dict, limit: int | None, capacity: int, tried: set) -> int | None:
+    """The scoped limit to retry a VMEM OOM with (``vmem``: the parsed OOM; ``limit``: the
+    limit it failed at, None for the kernel's default), or None: raised after a
+    scoped-limit OOM, lowered after a whole-program one under the profiler, never a limit
+    already ``tried`` (so the two rules cannot alternate)."""
+    kind, used = vmem.get("kind"), int(vmem.get("used_bytes") or 0)
+    new = None
+    if kind == "scoped_limit" and used:
+        new = raised_vmem_limit(used, int(vmem.get("limit_bytes") or 0) if limit is None else limit, capacity)
+    elif kind == "capacity" and vmem.get("scoped_bytes"):
+        new = lowered_vmem_limit(int(vmem["scoped_bytes"]), capacity)
+    return None if new is None or new in tried or new == limit else new

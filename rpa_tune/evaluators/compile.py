@@ -37,7 +37,7 @@ from .base import EvalResult, Evaluator, Task
 class CompileEvaluator(Evaluator):
     name = "compile"
     method = "estimate"
-    version = "2"
+    version = "3"
 
     def __init__(self, *, profile: bool = True):
         self.profile = profile   # False: VMEM verdict only (plain compile, no estimate)
@@ -60,6 +60,7 @@ class CompileEvaluator(Evaluator):
         kind = f"deviceless {get_generation(task.generation).device_kind}"
         notes = []
         compile_fn = self._estimate if self.profile else self._plain_compile
+        tried = {limit}
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 1:
@@ -67,13 +68,12 @@ class CompileEvaluator(Evaluator):
                                   message="; ".join(notes + [f"no time left within {task.timeout:.0f} s"]))
             r = compile_fn(task, limit, remaining)
             vm = r.get("vmem") or {}
-            if r["status"] == base.VMEM_OOM and vm.get("kind") == "scoped_limit":
-                new = base.raised_vmem_limit(vm["used_bytes"], limit, cap)
-                if new is not None:
-                    notes.append(f"scoped OOM at limit {limit} (used {vm['used_bytes']}): retried with {new}")
-                    limit = new
-                    continue
-            break
+            new = base.next_vmem_limit(vm, limit, cap, tried) if r["status"] == base.VMEM_OOM else None
+            if new is None:
+                break
+            notes.append(f"{vm['kind']} OOM at limit {limit} (used {vm['used_bytes']}): retried with {new}")
+            tried.add(new)
+            limit = new
         compile_s = (r.get("lower_s") or 0.0) + (r.get("compile_s") or 0.0) or None
         common = dict(vmem_limit_bytes=limit, device_kind=kind, compile_s=compile_s)
         status = r["status"]
@@ -159,14 +159,15 @@ class CompileEvaluator(Evaluator):
         why = f"static profiler process died ({how}): " + _tail(crashed.get("message", ""), 600)
         cap = int(tpu_info(task.generation).vmem_capacity_bytes)
         r: dict = {"status": base.TIMEOUT}
+        tried = {limit}
         while deadline - time.monotonic() > 1:
             r = self._plain_compile(task, limit, deadline - time.monotonic())
             vm = r.get("vmem") or {}
-            new = (base.raised_vmem_limit(vm.get("used_bytes", 0), limit, cap)
-                   if r["status"] == base.VMEM_OOM and vm.get("kind") == "scoped_limit" else None)
+            new = base.next_vmem_limit(vm, limit, cap, tried) if r["status"] == base.VMEM_OOM else None
             if new is None:
                 break
-            notes.append(f"scoped OOM at limit {limit} (used {vm['used_bytes']}): retried with {new}")
+            notes.append(f"{vm['kind']} OOM at limit {limit} (used {vm['used_bytes']}): retried with {new}")
+            tried.add(new)
             limit = new
         common = dict(common, vmem_limit_bytes=limit,
                       compile_s=(r.get("lower_s") or 0.0) + (r.get("compile_s") or 0.0) or None)
