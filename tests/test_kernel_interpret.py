@@ -187,7 +187,9 @@ def test_new_tokens_merged_into_the_last_cached_step(generation, window, monkeyp
     """Few new tokens that fit in the last cached step's block are read from the cache once
     its update has landed, in that step (no step of their own); those that straddle a
     block boundary, or follow a single cached step, keep their own step. The plan says
-    which is which, and every sequence matches the reference, cache included."""
+    which is which, and every sequence matches the reference, cache included. (The
+    interpreter runs a DMA when it is awaited, so without the wait for the cache update
+    before the merged step's fetch, that step reads the old cache and this fails.)"""
     from kernel.config import BlockSizes
     from kernel.hardware import GENERATION_ENV
     from kernel.steps import plan
