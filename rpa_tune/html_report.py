@@ -36,6 +36,8 @@ MARKER = ".rpa-tune-report"
 COVERAGE_STATES = ("tuned", "not promoted", "missing")
 CASES = tuple(c.value for c in Case)
 FAILED_COLOR = "#b0b0b0"
+WINNER_COLOR = "#e8112d"
+HEURISTIC_COLOR = "#00b7ff"
 DPI = 80
 
 
@@ -228,7 +230,10 @@ def gather(df, entries, *, results: str = "", tables: str = "", tpu=None, case=N
         used.add(anchor)
         e = by_key.get(TuningKey(**g.key)) if g.kernel == "rpa-tune" else None
         state = "none" if e is None else ("promoted" if e.promoted else "not promoted")
-        sections.append(KeySection(g, heatmap_data(g, wrong), anchor, f"{i + 1:03d}-{anchor}.png", state,
+        k = g.key
+        image = _slug(f"{i + 1:03d}-{k['generation']}-{k['case']}-h{k['num_q_heads']}x{k['num_kv_heads']}-"
+                      f"d{k['head_dim']}-t{k['max_num_tokens']}-{g.backend}") + ".png"
+        sections.append(KeySection(g, heatmap_data(g, wrong), anchor, image, state,
                                    tuple(e.block_sizes) if e is not None else None))
     return ReportData(results=results, tables=tables, sections=sections, coverage=coverage(df, entries, sections),
                       total_groups=total, rows=len(df),
@@ -250,7 +255,7 @@ def figure_size(hm: Heatmap) -> tuple[float, float]:
     rows, cols = panel_grid(len(hm.panels))
     w = cols * (0.62 * len(hm.bkv_values) + 0.9) + 1.3
     h = rows * (0.42 * len(hm.bq_values) + 1.0) + 1.1
-    return round(max(w, 5.0), 2), round(h, 2)
+    return math.ceil(max(w, 5.0) * 4) / 4, math.ceil(h * 4) / 4     # quarter inches: whole pixels at DPI
 
 
 def _short_time(v: float) -> str:
@@ -264,7 +269,7 @@ def _short_time(v: float) -> str:
 def heatmap_figure(hm: Heatmap):
     """``(figure, panel axes)``: one panel per (cq, ckv) pair; ok cells coloured by the metric
     (one colour scale for all panels, lower is better), failed configs grey and hatched
-    with their status, configs not evaluated blank; the winner boxed in black (★), the
+    with their status, configs not evaluated blank; the winner boxed in red (★), the
     heuristic's config in blue dashes (H)."""
     from matplotlib import colormaps, colors
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -299,27 +304,27 @@ def heatmap_figure(hm: Heatmap):
                     ax.add_patch(Rectangle((x - .5, y - .5), 1, 1, facecolor="white", edgecolor="#e4e4e4", lw=.5))
                     continue
                 st, m = hm.cells[bs]
+                mark = ("★" if bs == hm.winner else "") + ("H" if bs == hm.heuristic else "")
                 if st == "ok":
                     rgba = cmap(norm(m))
                     ax.add_patch(Rectangle((x - .5, y - .5), 1, 1, facecolor=rgba, edgecolor="white", lw=.5))
-                    if annotate:
-                        light = colors.rgb_to_hsv(rgba[:3])[2] < 0.6 or rgba[1] < 0.5
-                        ax.text(x, y, _short_time(m) if hm.unit == "s" else f"{m:.3g}", ha="center", va="center",
-                                fontsize=7, color="white" if light else "black")
+                    text = _short_time(m) if hm.unit == "s" else f"{m:.3g}"
+                    dark = 0.299 * rgba[0] + 0.587 * rgba[1] + 0.114 * rgba[2] < 0.5
+                    color = "white" if dark else "black"
                 else:
                     ax.add_patch(Rectangle((x - .5, y - .5), 1, 1, facecolor=FAILED_COLOR, edgecolor="#707070",
                                            hatch="///", lw=.5))
-                    if annotate:
-                        ax.text(x, y, SHORT.get(st, st), ha="center", va="center", fontsize=7, color="black",
-                                bbox=dict(facecolor="white", edgecolor="none", pad=0.5, alpha=0.8))
+                    text, color = SHORT.get(st, st), "black"
+                if annotate or mark:
+                    label = (mark + " " if mark else "") + (text if annotate else "")
+                    ax.text(x, y, label.strip(), ha="center", va="center", fontsize=7, color=color,
+                            fontweight="bold" if mark else "normal",
+                            bbox=None if st == "ok" else dict(facecolor="white", edgecolor="none", pad=0.5, alpha=0.8))
                 if bs == hm.winner:
-                    ax.add_patch(Rectangle((x - .46, y - .46), .92, .92, fill=False, edgecolor="black", lw=2.4))
-                    ax.text(x - .44, y - .44, "★", ha="left", va="top", fontsize=8, color="black")
+                    ax.add_patch(Rectangle((x - .45, y - .45), .9, .9, fill=False, edgecolor=WINNER_COLOR, lw=2.6))
                 if bs == hm.heuristic:
-                    ax.add_patch(Rectangle((x - .36, y - .36), .72, .72, fill=False, edgecolor="#1f5fd6", lw=1.6,
-                                           linestyle="--"))
-                    ax.text(x + .44, y - .44, "H", ha="right", va="top", fontsize=7, color="#1f5fd6",
-                            fontweight="bold")
+                    ax.add_patch(Rectangle((x - .33, y - .33), .66, .66, fill=False, edgecolor=HEURISTIC_COLOR,
+                                           lw=1.8, linestyle=(0, (3, 2))))
         ax.set_xlim(-.5, nk - .5)
         ax.set_ylim(nq - .5, -.5)
         ax.set_xticks(range(nk), [str(v) for v in hm.bkv_values], fontsize=7, rotation=45 if nk > 6 else 0)
@@ -332,14 +337,19 @@ def heatmap_figure(hm: Heatmap):
     if metrics:
         from matplotlib.cm import ScalarMappable
         cb = fig.colorbar(ScalarMappable(norm=norm, cmap=cmap), ax=axes, shrink=0.9, pad=0.02)
-        cb.set_label(f"{'time (s)' if hm.unit == 's' else hm.unit}; lower is better", fontsize=8)
-        cb.ax.tick_params(labelsize=7)
+        cb.set_label(f"{'time' if hm.unit == 's' else hm.unit} (lower is better)", fontsize=8)
+        cb.ax.tick_params(labelsize=7, which="both")
+        if hm.unit == "s":
+            from matplotlib.ticker import FuncFormatter
+            fmt = FuncFormatter(lambda v, _: _short_time(v) if v > 0 else "0")
+            cb.ax.yaxis.set_major_formatter(fmt)
+            cb.ax.yaxis.set_minor_formatter(fmt)
     handles = [Patch(facecolor=FAILED_COLOR, edgecolor="#707070", hatch="///", label="failed (status shown)"),
                Patch(facecolor="white", edgecolor="#bbbbbb", label="not evaluated"),
-               Line2D([], [], marker="s", markersize=9, markerfacecolor="none", markeredgecolor="black",
-                      markeredgewidth=2, linestyle="none", label="★ winner"),
-               Line2D([], [], marker="s", markersize=7, markerfacecolor="none", markeredgecolor="#1f5fd6",
-                      linestyle="none", label="H heuristic")]
+               Line2D([], [], marker="s", markersize=9, markerfacecolor="none", markeredgecolor=WINNER_COLOR,
+                      markeredgewidth=2, linestyle="none", label="★ winner (lowest time)"),
+               Line2D([], [], marker="s", markersize=7, markerfacecolor="none", markeredgecolor=HEURISTIC_COLOR,
+                      markeredgewidth=1.5, linestyle="none", label="H heuristic (the baseline)")]
     fig.legend(handles=handles, loc="outside lower center", ncols=4, fontsize=7, frameon=False)
     fig.suptitle(hm.title, fontsize=10)
     return fig, axes
