@@ -241,20 +241,22 @@ def gather(df, entries, *, results: str = "", tables: str = "", tpu=None, case=N
 
 
 # ================================================================================== draw
-PANEL_COLS = 3
+MAX_WIDTH_IN = 15.5          # about the page's width at DPI: images are not scaled down
 
 
-def panel_grid(n_panels: int) -> tuple[int, int]:
-    """(rows, columns) of the panels of a figure."""
-    cols = max(1, min(PANEL_COLS, n_panels))
-    return -(-max(n_panels, 1) // cols), cols
+def panel_grid(hm: Heatmap) -> tuple[int, int]:
+    """(rows, columns) of the panels of a heatmap's figure: as many columns as fit the width."""
+    n = max(len(hm.panels), 1)
+    fit = int((MAX_WIDTH_IN - 1.3) // (0.56 * len(hm.bkv_values) + 0.9))
+    cols = max(1, min(n, fit))
+    return -(-n // cols), cols
 
 
 def figure_size(hm: Heatmap) -> tuple[float, float]:
     """Inches (width, height) of a heatmap's figure (PNG pixels: these times ``DPI``)."""
-    rows, cols = panel_grid(len(hm.panels))
-    w = cols * (0.62 * len(hm.bkv_values) + 0.9) + 1.3
-    h = rows * (0.42 * len(hm.bq_values) + 1.0) + 1.1
+    rows, cols = panel_grid(hm)
+    w = cols * (0.56 * len(hm.bkv_values) + 0.9) + 1.3
+    h = rows * (0.38 * len(hm.bq_values) + 1.0) + 1.1
     return math.ceil(max(w, 5.0) * 4) / 4, math.ceil(h * 4) / 4     # quarter inches: whole pixels at DPI
 
 
@@ -264,6 +266,15 @@ def _short_time(v: float) -> str:
     if v >= 1e-3:
         return f"{v * 1e3:.3g}ms"
     return f"{v * 1e6:.3g}µs"
+
+
+def _ticks(lo: float, hi: float, log: bool, n: int = 5) -> list:
+    """Colour-bar ticks: both ends, and ``n - 2`` evenly spaced ones between (on the scale
+    used) rounded to 2 significant digits, none too close to an end."""
+    pos = (lambda v: math.log(v / lo) / math.log(hi / lo)) if log else (lambda v: (v - lo) / (hi - lo))
+    inner = [lo * (hi / lo) ** (i / (n - 1)) if log else lo + (hi - lo) * i / (n - 1) for i in range(1, n - 1)]
+    inner = sorted({float(f"{v:.2g}") for v in inner})
+    return [lo] + [v for v in inner if 0.12 < pos(v) < 0.88] + [hi]
 
 
 def heatmap_figure(hm: Heatmap):
@@ -280,7 +291,7 @@ def heatmap_figure(hm: Heatmap):
 
     fig = Figure(figsize=figure_size(hm), dpi=DPI, layout="constrained")
     FigureCanvasAgg(fig)
-    rows, cols = panel_grid(len(hm.panels))
+    rows, cols = panel_grid(hm)
     grid = fig.add_gridspec(rows, cols)
     metrics = [m for st, m in hm.cells.values() if st == "ok" and m is not None and m > 0]
     if metrics:
@@ -327,8 +338,8 @@ def heatmap_figure(hm: Heatmap):
                                            lw=1.8, linestyle=(0, (3, 2))))
         ax.set_xlim(-.5, nk - .5)
         ax.set_ylim(nq - .5, -.5)
-        ax.set_xticks(range(nk), [str(v) for v in hm.bkv_values], fontsize=7, rotation=45 if nk > 6 else 0)
-        ax.set_yticks(range(nq), [str(v) for v in hm.bq_values], fontsize=7)
+        ax.set_xticks(range(nk), [str(v) for v in hm.bkv_values], fontsize=8, rotation=45 if nk > 7 else 0)
+        ax.set_yticks(range(nq), [str(v) for v in hm.bq_values], fontsize=8)
         ax.set_xlabel("bkv", fontsize=8)
         ax.set_ylabel("bq", fontsize=8)
         ax.set_title(f"cq={cq}, ckv={ckv}", fontsize=9)
@@ -338,19 +349,17 @@ def heatmap_figure(hm: Heatmap):
         from matplotlib.cm import ScalarMappable
         cb = fig.colorbar(ScalarMappable(norm=norm, cmap=cmap), ax=axes, shrink=0.9, pad=0.02)
         cb.set_label(f"{'time' if hm.unit == 's' else hm.unit} (lower is better)", fontsize=8)
-        cb.ax.tick_params(labelsize=7, which="both")
-        if hm.unit == "s":
-            from matplotlib.ticker import FuncFormatter
-            fmt = FuncFormatter(lambda v, _: _short_time(v) if v > 0 else "0")
-            cb.ax.yaxis.set_major_formatter(fmt)
-            cb.ax.yaxis.set_minor_formatter(fmt)
+        cb.ax.tick_params(labelsize=7)
+        cb.ax.minorticks_off()
+        ticks = _ticks(norm.vmin, norm.vmax, log=isinstance(norm, colors.LogNorm))
+        cb.set_ticks(ticks, labels=[_short_time(v) if hm.unit == "s" else f"{v:.3g}" for v in ticks])
     handles = [Patch(facecolor=FAILED_COLOR, edgecolor="#707070", hatch="///", label="failed (status shown)"),
                Patch(facecolor="white", edgecolor="#bbbbbb", label="not evaluated"),
                Line2D([], [], marker="s", markersize=9, markerfacecolor="none", markeredgecolor=WINNER_COLOR,
                       markeredgewidth=2, linestyle="none", label="★ winner (lowest time)"),
                Line2D([], [], marker="s", markersize=7, markerfacecolor="none", markeredgecolor=HEURISTIC_COLOR,
                       markeredgewidth=1.5, linestyle="none", label="H heuristic (the baseline)")]
-    fig.legend(handles=handles, loc="outside lower center", ncols=4, fontsize=7, frameon=False)
+    fig.legend(handles=handles, loc="outside lower center", ncols=4, fontsize=8, frameon=False)
     fig.suptitle(hm.title, fontsize=10)
     return fig, axes
 
@@ -360,9 +369,12 @@ def _e(v) -> str:
     return html.escape("" if v is None else str(v), quote=True)
 
 
-def method_label(backend: str, method: str) -> str:
+def method_label(backend: str, method: str, audited: bool = True) -> str:
     """What a group's numbers are: the compile backend's are estimates, not device times."""
     if method == "estimate" or backend == "compile":
+        if not audited:
+            return ("static compiler estimate, not a device time; no audit verdict recorded (rows of an "
+                    "evaluator older than the audit)")
         return "static compiler estimate (audited), not a device time"
     if method == "measured" or backend == "tpu":
         return "measured on the device"
@@ -416,8 +428,8 @@ def render_html(data: ReportData) -> str:
     if "compile" in backends or any(s.group.method == "estimate" for s in data.sections):
         add("<p class=\"note\"><b>Estimates, not device times.</b> Rows of the <code>compile</code> backend were "
             "compiled deviceless for the target TPU; their times are libtpu's static cost estimate, composed and "
-            "audited by rpa-tune's estimator (the audit column says whether the trace held all the work), "
-            "not measurements on a TPU. Rows of the <code>tpu</code> backend are device times.</p>")
+            "audited by rpa-tune's estimator (a key's audit row says whether the traces held all the work; "
+            "rows recorded before the audit existed say so), not measurements on a TPU. Rows of the <code>tpu</code> backend are device times.</p>")
     _render_coverage(add, data.coverage)
     add("<h2 id=\"keys\">Keys</h2>")
     if not data.sections:
@@ -457,7 +469,13 @@ def _render_coverage(add, cov: Coverage) -> None:
         for t in cov.buckets:
             add(f"<th>t{t}</th>")
     add("</tr></thead><tbody>")
+    ncols = len(cov.cases) * len(cov.buckets)
     for g in cov.generations:
+        if all(cov.cells[(g, s, c, t)].state == "missing" for s, _ in cov.shapes for c in cov.cases
+               for t in cov.buckets):
+            add(f"<tr><th>{_e(g)}</th><td>every shape</td><td class=\"c missing\" colspan=\"{ncols}\">missing "
+                "(no results, no table entry)</td></tr>")
+            continue
         for j, (shape, label) in enumerate(cov.shapes):
             add("<tr>")
             if j == 0:
@@ -485,15 +503,18 @@ def _render_section(add, s: KeySection) -> None:
     if any(v == "incomplete" for v in s.audit_counts):
         audit = f"<span class=\"bad\">{audit}</span>"
     statuses = ", ".join(f"{_e(k)}: {v}" for k, v in sorted(g.counts.items()))
+    evaluators = ", ".join(sorted({str(r.get("evaluator_version")) for r in g.configs
+                                   if r.get("evaluator_version")})) or "-"
     if g.excluded_wrong:
         statuses += f" <span class=\"bad\">({g.excluded_wrong} wrong excluded)</span>"
     rows = [
         ("shape", _e(shape_label(g.key)) + f" · page {_e(g.key['page_size'])} · tokens {_e(g.key['max_num_tokens'])}"
          f" · model len {_e(g.key['max_model_len'])}" + (" · sliding window" if g.key.get("sliding_window") else "")),
         ("workload", f"{_e(g.workload)} <small>({_e(g.workload_id)})</small>"),
-        ("backend / method", f"{_e(g.backend)} / {_e(g.method)}"
-         + (" <span class=\"bad\">(results of an older kernel version)</span>" if g.stale else "")),
-        ("numbers are", _e(method_label(g.backend, g.method))),
+        ("backend / method", f"{_e(g.backend)} / {_e(g.method)} · evaluator {_e(evaluators)} · kernel "
+         f"{_e(g.kernel_hash)}" + (" <span class=\"bad\">(stale: an older kernel version than this "
+                                   "checkout's)</span>" if g.stale else "")),
+        ("numbers are", _e(method_label(g.backend, g.method, audited=set(s.audit_counts) != {"not recorded"}))),
         ("winner", f"{_e(_fmt_bs(_bs(b)))} · {_e(fmt_time(b['metric']))}" if b else "<span class=\"bad\">no ok "
          "config</span>"),
         ("heuristic", f"{_e(_fmt_bs(_bs(h)))} · {_e(fmt_time(h['metric']))}" if h else
