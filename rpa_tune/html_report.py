@@ -364,6 +364,15 @@ def heatmap_figure(hm: Heatmap):
     return fig, axes
 
 
+def save_png(fig, path: Path) -> None:
+    """The figure as a 256-colour PNG (heatmaps have few colours: a third of the bytes)."""
+    import numpy as np
+    from PIL import Image
+    fig.canvas.draw()
+    rgb = Image.fromarray(np.asarray(fig.canvas.buffer_rgba())).convert("RGB")
+    rgb.quantize(256, method=Image.Quantize.MEDIANCUT).save(path, format="png", optimize=True)
+
+
 # ================================================================================ render
 def _e(v) -> str:
     return html.escape("" if v is None else str(v), quote=True)
@@ -405,7 +414,7 @@ td.tuned{background:#c8ecc9} td.not-promoted{background:#fde3a7} td.missing{back
 td.c a{color:inherit}
 .key{border:1px solid #ddd;border-radius:6px;padding:12px;margin:18px 0;background:#fcfcfc}
 .key img{max-width:100%;height:auto;display:block;margin-top:8px}
-table.kv th{width:190px;font-weight:600}
+table.kv{width:100%} table.kv th{width:190px;font-weight:600}
 .bad{color:#b00020;font-weight:600}
 .toc{columns:2;font-size:13px} .toc li{word-break:break-all}
 code{font-size:12px}
@@ -569,7 +578,7 @@ def write_report(data: ReportData, out: Path, force: bool = False) -> list[Path]
         for s in data.sections:
             fig, _ = heatmap_figure(s.heatmap)
             p = out / s.image
-            fig.savefig(p, dpi=DPI, format="png")
+            save_png(fig, p)
             written.append(p)
         page = out / "index.html"
         tmp = out / ".index.html.tmp"
