@@ -329,7 +329,7 @@ def compare(
 # =========================================================================== report
 @app.command()
 def report(
-    results: Path = typer.Option(..., "--results", help="Results directory to read (what `sweep` wrote)."),
+    results: ResultsDir = Path("results"),
     out: Path = typer.Option(..., "--out", "-o", help="Directory for index.html and its PNG heatmaps: new, "
                              "empty, or holding an earlier report (see --force).", show_default=False),
     tables: Optional[Path] = typer.Option(None, "--tables", help="Tables directory the coverage matrix takes "
