@@ -77,8 +77,10 @@ class KeySection:
 
     @property
     def audit_counts(self) -> dict:
-        """Audit verdicts of the group's ok rows (compile backend; device rows have none)."""
-        c = Counter((r.get("audit") or "not recorded") for r in self.group.configs if r.get("status") == "ok")
+        """Audit verdicts of the group's ok rows (compile backend; device rows have none);
+        rows of configs found wrong are left out, as ``show`` leaves them out."""
+        c = Counter((r.get("audit") or "not recorded") for r in self.group.configs
+                    if self.heatmap.cells.get(_bs(r), ("",))[0] == "ok")
         return dict(sorted(c.items()))
 
 

@@ -44,6 +44,15 @@ B_CONFIGS = {
     (64, 1024, 32, 256): ("ok", 8.0e-4, "complete"),
 }
 B_HEURISTIC = (64, 1024, 16, 256)
+# key C: the heuristic's config failed (no gain), and `verify` found an ok config wrong
+KEY_C = key("v5e", "mixed", hq=32, hkv=8, d=128, t=2048)
+C_CONFIGS = {
+    (64, 512, 16, 128): ("ok", 5.0e-4, "complete"),
+    (64, 1024, 16, 256): ("ok", 4.0e-4, "complete"),    # found wrong by verify
+    (128, 1024, 32, 256): ("vmem_oom", None, None),     # heuristic
+}
+C_HEURISTIC = (128, 1024, 32, 256)
+C_WRONG = (64, 1024, 16, 256)
 
 
 def _rows(k, configs, heuristic, workload):
@@ -63,8 +72,11 @@ def results(tmp_path_factory) -> Path:
     from rpa_tune.store import ResultStore
     res = tmp_path_factory.mktemp("report") / "results"
     store = ResultStore(res)
-    for r in _rows(KEY_A, A_CONFIGS, A_HEURISTIC, HOSTILE) + _rows(KEY_B, B_CONFIGS, B_HEURISTIC, "prefill w"):
+    for r in (_rows(KEY_A, A_CONFIGS, A_HEURISTIC, HOSTILE) + _rows(KEY_B, B_CONFIGS, B_HEURISTIC, "prefill w")
+              + _rows(KEY_C, C_CONFIGS, C_HEURISTIC, "mixed w")):
         store.append([r])
+    [wrong] = _rows(KEY_C, {C_WRONG: ("wrong_result", None, None)}, None, "interpret check")
+    store.append([dict(wrong, backend="interpret", workload_id="small", config_id="verify-c")])
     return res
 
 
@@ -119,6 +131,15 @@ def test_winner_heuristic_gain_panels_and_failures_match_the_rows(data, k, confi
     assert [ax.get_title() for ax in axes] == [f"cq={cq}, ckv={ckv}" for cq, ckv in sorted(panels)]
 
 
+def test_failed_heuristic_and_a_config_found_wrong(data):
+    s = _section(data, KEY_C)
+    hm = s.heatmap
+    assert hm.heuristic == C_HEURISTIC and s.group.heuristic is None and s.group.gain is None
+    assert hm.failed == {C_HEURISTIC: "vmem_oom", C_WRONG: "wrong_result"}
+    assert hm.winner == (64, 512, 16, 128)       # the faster config was wrong
+    assert s.audit_counts == {"complete": 1}
+
+
 def test_coverage_with_one_table_entry(data):
     from kernel.config import GENERATIONS
     from rpa_tune.presets import PRESETS
@@ -129,7 +150,8 @@ def test_coverage_with_one_table_entry(data):
     assert [s for s, _ in cov.shapes] == list(dict.fromkeys(shape(p) for p in PRESETS.values()))
     a, b = shape(PRESETS["llama3-8b"]), shape(PRESETS["llama3-70b-tp8"])
     expect = {("v6e", a, "decode", 2048): "tuned",           # promoted entry in the tables
-              ("v6e", b, "prefill", 2048): "not promoted"}   # results, no entry
+              ("v6e", b, "prefill", 2048): "not promoted",   # results, no entry
+              ("v5e", a, "mixed", 2048): "not promoted"}
     for cell_key, cell in cov.cells.items():
         assert cell.state == expect.get(cell_key, "missing"), cell_key
     assert cov.cells[("v6e", a, "decode", 2048)].keys == [KEY_A.id()]
@@ -173,7 +195,7 @@ def test_page_images_escaping_and_estimate_label(page, data):
     from rpa_tune.html_report import DPI, figure_size
     text = (page / "index.html").read_text()
     pngs = sorted(page.glob("*.png"))
-    assert len(pngs) == len(data.sections) == 2
+    assert len(pngs) == len(data.sections) == 3
     for s in data.sections:
         w, h = figure_size(s.heatmap)
         assert _png_size(page / s.image) == (round(w * DPI), round(h * DPI))
@@ -181,7 +203,7 @@ def test_page_images_escaping_and_estimate_label(page, data):
     assert "<script" not in text and HOSTILE not in text
     assert html.escape(HOSTILE) in text
     assert "static compiler estimate (audited), not a device time" in text
-    assert text.count('class="c tuned"') == 1 and text.count('class="c not-promoted"') == 1
+    assert text.count('class="c tuned"') == 1 and text.count('class="c not-promoted"') == 2
     assert "×1.25 (+25.0%)" in text          # key A: 2.5e-4 / 2.0e-4
     assert "incomplete: 1" in text
 
