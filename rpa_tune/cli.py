@@ -2,7 +2,8 @@
 
 Commands: ``sweep`` (tune; ``--storage`` shares one sweep among many workers), ``status``
 (progress of a shared sweep), ``show`` (winners), ``compare`` (our kernel vs tpu-inference's), ``verify`` (check winners in interpret
-mode), ``doctor`` (what works on this machine); ``export``, ``diff`` and ``precompile`` in
+mode), ``report`` (a static HTML page: heatmaps and coverage; ``html_report``), ``doctor`` (what works
+on this machine); ``export``, ``diff`` and ``precompile`` in
 ``cli_tables``. Bad input exits with code 2 and a one-line message before anything is
 written (``cli_common``).
 """
@@ -323,6 +324,68 @@ def compare(
     if not rows:
         fail(f"no key in {str(results)!r} is tuned for both kernels (sweep the same key with --kernel rpa-tune "
              "and --kernel tpu-inference)", code=1)
+
+
+# =========================================================================== report
+@app.command()
+def report(
+    results: ResultsDir = Path("results"),
+    out: Path = typer.Option(..., "--out", "-o", help="Directory for index.html and its PNG heatmaps: new, "
+                             "empty, or holding an earlier report (see --force).", show_default=False),
+    tables: Optional[Path] = typer.Option(None, "--tables", help="Tables directory the coverage matrix takes "
+                                          "'tuned' from. Default: the shipped tables.", show_default=False),
+    tpu: OptionalTpu = None,
+    case: CaseFilter = None,
+    backend: BackendFilter = None,
+    key: Optional[str] = typer.Option(None, "--key", help="Only keys whose id contains this text, e.g. "
+                                      "v6e/decode or h8x1 (the coverage matrix always covers every key).",
+                                      show_default=False),
+    limit: Optional[int] = typer.Option(None, "--limit", min=1, help="At most this many keys (in `show`'s "
+                                        "order). Default: all.", show_default=False),
+    force: bool = typer.Option(False, "--force", help="Write into a non-empty --out that holds no earlier "
+                               "report (its other files are left alone)."),
+):
+    """A static HTML page of the results: per key the winner, the heuristic, the gain and a
+    heatmap over the block sizes; and a coverage matrix of generation x model shape x case x
+    token bucket against the tables."""
+    from .html_report import ReportError, check_out
+    if not results.is_dir():
+        fail(f"--results {str(results)!r} is not a directory (give the directory `rpa-tune sweep --results` "
+             "wrote)")
+    try:
+        check_out(out, force)
+    except ReportError as e:
+        fail(str(e))
+    from kernel.tables import TableError
+    from kernel.tables.loading import shipped_table_dir
+    from .export import load_table_path
+    tdir = tables if tables is not None else shipped_table_dir()
+    if tdir is None:
+        fail("no shipped tables found; pass --tables DIR (a directory of <generation>.json tables)")
+    if not Path(tdir).is_dir():
+        fail(f"--tables {str(tdir)!r} is not a directory (give a directory of <generation>.json tables, as "
+             "`rpa-tune export --out` writes)")
+    try:
+        entries = load_table_path(tdir).entries
+    except (TableError, OSError) as e:
+        fail(f"--tables {str(tdir)!r}: {e}")
+    from .store import ResultStore
+    df = ResultStore(results).read()
+    if df.empty:
+        fail(f"--results {str(results)!r} holds no result rows (no readable *.parquet files); give the directory "
+             "`rpa-tune sweep --results` wrote")
+    from .html_report import gather, write_report
+    data = gather(df, entries, results=str(results), tables=str(tdir), tpu=tpu, case=value(case),
+                  backend=value(backend), key=key, limit=limit)
+    if not data.sections:
+        fail(f"no matching results in {str(results)!r}" + (f" for --key {key!r}" if key else ""), code=1)
+    try:
+        written = write_report(data, out, force)
+    except ReportError as e:
+        fail(str(e))
+    from . import ui
+    ui.out.print(f"wrote {out / 'index.html'}: {len(data.sections)} key(s), {len(written) - 2} heatmap(s)",
+                 soft_wrap=True, markup=False)
 
 
 # =========================================================================== verify

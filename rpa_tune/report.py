@@ -35,6 +35,9 @@ class Group:
     heuristic: dict | None
     excluded_wrong: int = 0
     kernel: str = "rpa-tune"    # the tuned kernel (rpa_tune.kernels)
+    # every row of the group (each config's latest, any status; wrong configs included),
+    # for views of the whole space (``rpa-tune report``'s heatmaps)
+    configs: list = dataclasses.field(default_factory=list, repr=False)
 
     @property
     def best(self) -> dict | None:
@@ -54,7 +57,10 @@ def wrong_configs(df) -> set:
     return {(r.key_id, int(r.bq), int(r.bkv), int(r.cq), int(r.ckv), r.kernel_hash) for r in bad.itertuples()}
 
 
-def winners(df, *, tpu=None, case=None, backend=None, top: int = 1) -> list[Group]:
+def winners(df, *, tpu=None, case=None, backend=None, top: int = 1, all_configs: bool = False) -> list[Group]:
+    """One ``Group`` per (key, workload, backend) of the latest kernel version: its best
+    ``top`` ok configs, status counts and the heuristic's row (the baseline of ``gain``);
+    ``all_configs`` also fills ``Group.configs`` with every row of the group."""
     if df.empty:
         return []
     from .kernels import KernelError, get_kernel, row_kernel
@@ -91,7 +97,8 @@ def winners(df, *, tpu=None, case=None, backend=None, top: int = 1) -> list[Grou
             workload=str(first["workload"]), backend=be, method=str(first["method"]), kernel_hash=str(latest),
             stale=current is not None and latest != current, counts={k: int(v) for k, v in counts.items()},
             rows=[_row(r) for _, r in ok.head(top).iterrows()],
-            heuristic=_row(heur.iloc[-1]) if len(heur) else None, excluded_wrong=excluded, kernel=kern))
+            heuristic=_row(heur.iloc[-1]) if len(heur) else None, excluded_wrong=excluded, kernel=kern,
+            configs=[_row(r) for _, r in g.iterrows()] if all_configs else []))
     order = {"v4": 0, "v5e": 1, "v5p": 2, "v6e": 3, "tpu7x": 4}
     cases = {"decode": 0, "prefill": 1, "mixed": 2}
     groups.sort(key=lambda g: (order.get(g.key["generation"], 9), cases.get(g.key["case"], 9), g.key_id,

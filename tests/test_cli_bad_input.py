@@ -75,6 +75,8 @@ CASES = {
     "export-no-results": (["export", "--results", "nowhere", "--out", "tables"], ["nowhere", "does not exist"]),
     "diff-bad-table": (lambda t: ["diff", _table(t), _table(t)], ["bad_table.json", "key misses"]),
     "show-case": (["show", "--case", "training"], ["'training'", "'decode', 'prefill', 'mixed'"]),
+    "report-no-results": (["report", "--results", "nowhere", "--out", "page"], ["--results 'nowhere'",
+                                                                             "not a directory"]),
 }
 
 

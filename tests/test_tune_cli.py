@@ -72,6 +72,7 @@ def test_impossible_workload_file(tmp_path, bad_workload):
     ("show", ["--results", "--tpu", "--case", "--backend", "--top"]),
     ("verify", ["--results", "--tpu", "--case", "--top", "--jobs", "--timeout"]),
     ("doctor", ["--quick", "--tpu"]),
+    ("report", ["--results", "--out", "--tables", "--tpu", "--case", "--backend", "--key", "--limit", "--force"]),
 ])
 def test_help_explains_every_option(command, options):
     r = run([command, "--help"], env={"COLUMNS": "250"})
