@@ -259,16 +259,26 @@ def composed_piece(gen: str, case: Case, bs: BlockSizes, page: int, q_lens, kv_l
     key = json.dumps(["ours-composed", kernel_hash(), gen, case.value, list(bs), page, list(q_lens), list(kv_lens)]
                      + variant.key())
     old = _cached(key)
-    if old:
+    if old and not (old["status"] == "vmem_oom" and old.get("vmem_rule", 1) < VMEM_RULE):
         return old
     t0 = time.time()
-    pr = compose.probe_config(builder=compose.OURS, case=case, bs=bs, tpu=gen,
-                              model=dataclasses.asdict(variant.model), limits=dataclasses.asdict(limits(page)),
-                              options=variant.options or None, timeout=1800)
-    if pr.get("environment"):
-        raise SystemExit(f"vs_public: {pr['message'][:300]}")
+    limit, tried = None, set()
+    while True:       # the VMEM retries of ``piece``, for the config's probes
+        options = {**variant.options, **({"vmem_limit_bytes": limit} if limit else {})}
+        pr = compose.probe_config(builder=compose.OURS, case=case, bs=bs, tpu=gen,
+                                  model=dataclasses.asdict(variant.model), limits=dataclasses.asdict(limits(page)),
+                                  options=options or None, timeout=1800)
+        if pr.get("environment"):
+            raise SystemExit(f"vs_public: {pr['message'][:300]}")
+        new = (next_vmem_limit(pr.get("vmem") or {}, limit, int(tpu_info(gen).vmem_capacity_bytes), tried)
+               if pr["status"] == "vmem_oom" else None)
+        if new is None:
+            break
+        limit = new
+        tried.add(new)
     rec = dict(key=key, status=pr["status"], cycles=None, wall_s=time.time() - t0,
-               max_rss_bytes=pr.get("max_rss_bytes"), message=(pr.get("message") or "")[-300:])
+               max_rss_bytes=pr.get("max_rss_bytes"), message=(pr.get("message") or "")[-300:],
+               vmem_limit_bytes=limit, vmem_rule=VMEM_RULE)
     if pr["status"] == "ok":
         w = Workload.of_case(case, list(q_lens), list(kv_lens))
         rec["cycles"] = int(round(compose.model_from_json(pr["model"]).cycles(w)))
