@@ -453,10 +453,12 @@ def test_a_kernel_edited_during_a_run_is_not_recorded_under_the_old_hash(monkeyp
 def test_step_plan_counts_the_chunks_the_kernel_computes():
     """Prefill skips the chunks with no visible key (v6e): the chunks kernel.steps plans are
     what the simulated trace computes, the same MXU instructions per planned chunk for a
-    q block after 128 cached tokens (2 chunks: one of each step) and after 640 (4)."""
+    q block after 128 cached tokens (2 chunks: one of each step) and after 640 (3: the
+    first cached step's two, then the last cached step's first, which also holds the new
+    tokens: kernel.rpa._Steps)."""
     bs = BlockSizes(128, 512, 128, 256)
     per_chunk = set()
-    for q, kv, chunks in ([128], [256], 2), ([128], [768], 4):
+    for q, kv, chunks in ([128], [256], 2), ([128], [768], 3):
         tr = TraceStats.from_json(_profile("prefill", Workload.of_case("prefill", q, kv), bs)["trace"])
         assert features("prefill", bs, LIM.page_size, q, kv)["chunk"] == chunks
         every = features("prefill", bs, LIM.page_size, q, kv, skip_dead_chunks=False)   # TPU7x's kernel
