@@ -44,7 +44,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from .config import BlockSizes, Case, cdiv
-from .vmem import kv_buffer_rows
+from .vmem import kv_buffer_rows, q_buffer_heads
 
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 LANES = 128
@@ -280,6 +280,49 @@ def _split_words(w, v_ok=None):
     return _bf16_of_low_bits(w), _bf16_of_low_bits(w >> 16)
 
 
+def _strided_words(words, row0, count: int, stride: int, Dp: int, interpret: bool):
+    """uint32 (count, Dp): word rows ``row0, row0 + stride, ...`` of ``words`` ((rows, Dp):
+    a ref viewed as uint32 when compiled, an equal value in the interpreter, which cannot
+    load through a reshaped / bitcast ref). Mosaic's strided load needs a 128-lane last
+    dim: for Dp > 128 the rows are viewed as Dp / 128 rows of 128 lanes (row-major) and
+    each lane tile is one strided load, from the same start and stride in both modes."""
+    def strided(rows, start, step):
+        if interpret:
+            return jax.lax.dynamic_slice_in_dim(rows, start, (count - 1) * step + 1, axis=0)[::step]
+        return rows[pl.ds(start, count, stride=step), :]
+    if Dp == LANES:
+        return strided(words, row0, stride)
+    nt = Dp // LANES                     # word row r, lane tile j -> row r * nt + j
+    tiles = words.reshape(words.shape[0] * nt, LANES)
+    return jnp.concatenate([strided(tiles, row0 * nt + j, stride * nt) for j in range(nt)], axis=1)
+
+
+def _store_strided_words(words, row0: int, stride: int, w, Dp: int, interpret: bool):
+    """``_strided_words``' rows of ``words`` set to ``w`` (count, Dp): a strided store into
+    the ref when compiled; in the interpreter the updated value is returned."""
+    count = w.shape[0]
+    nt = Dp // LANES
+    tiles = words.reshape(words.shape[0] * nt, LANES) if nt > 1 else words
+    for j in range(nt):
+        start, step, part = row0 * nt + j, stride * nt, w[:, j * LANES:(j + 1) * LANES]
+        if interpret:
+            tiles = tiles.at[start:start + (count - 1) * step + 1:step].set(part)
+        else:
+            tiles[pl.ds(start, count, stride=step), :] = part
+    return tiles.reshape(words.shape) if interpret else None
+
+
+def _f32_of_word_halves(w):
+    """The two bf16 values packed in uint32 words (low half, high half) as exact f32."""
+    return pltpu.bitcast(w << 16, jnp.float32), pltpu.bitcast(w & jnp.uint32(0xFFFF0000), jnp.float32)
+
+
+def _bf16_word(lo, hi):
+    """uint32 words packing bf16(lo) (low half) and bf16(hi) (high half), lo / hi f32."""
+    bits = lambda x: pltpu.bitcast(x.astype(jnp.bfloat16).astype(jnp.float32), jnp.uint32)
+    return (bits(lo) >> 16) | (bits(hi) & jnp.uint32(0xFFFF0000))
+
+
 # float8_e4m3fn: sign, 4 exponent bits (bias 7), 3 mantissa bits; bf16: sign, 8 (bias 127), 7.
 _E4M3_REBIAS = (127 - 7) << 7          # the exponent bias difference, at bf16's exponent field
 
@@ -513,8 +556,8 @@ class _Dmas:
 
     def q_block(self, q_start, i, slot):
         r = self.refs
-        return pltpu.make_async_copy(r.q_hbm.at[pl.ds(q_start + i * self.g.bq, self.g.bq)], r.q_buf.at[slot],
-                                     r.sems.at[_Sem.Q, slot])
+        return pltpu.make_async_copy(r.q_hbm.at[pl.ds(q_start + i * self.g.bq, self.g.bq)],
+                                     r.q_buf.at[slot, :, pl.ds(0, self.g.Hkv)], r.sems.at[_Sem.Q, slot])
 
     def new_kv_row(self, q_start, slot):
         """Decode: the new token's K/V row."""
@@ -531,8 +574,8 @@ class _Dmas:
 
     def o_block(self, q_start, i, slot):
         r = self.refs
-        return pltpu.make_async_copy(r.o_buf.at[slot], r.o_hbm.at[pl.ds(q_start + i * self.g.bq, self.g.bq)],
-                                     r.sems.at[_Sem.O, 0])
+        return pltpu.make_async_copy(r.o_buf.at[slot, :, pl.ds(0, self.g.Hkv)],
+                                     r.o_hbm.at[pl.ds(q_start + i * self.g.bq, self.g.bq)], r.sems.at[_Sem.O, 0])
 
     def cache_rows(self, s, src_row, pos, rows):
         """New tokens' K/V rows [src_row, + rows) -> sequence s's cache at position pos."""
@@ -636,14 +679,62 @@ class _Attention:
         r.l[...] = jnp.zeros(r.l.shape, jnp.float32)
         r.acc[...] = jnp.zeros(r.acc.shape, jnp.float32)
 
+    # q and o blocks, (bq, heads, G, Dp) in q_buf / o_buf, against the head-major rows of
+    # qh / acc / m / l: row y * G * cq + j * cq + t of KV head h is token y * cq + t of
+    # query head j (q chunk, then query head, then token), so each query head's tokens are
+    # aligned row slabs. A bf16 q with an even G is read and written as uint32 words, two
+    # query heads per word (``_strided_words``; the buffers may have a padding head,
+    # ``kernel.vmem.q_buffer_heads``). Before, the rows were token-then-head: turning q
+    # into them (and back for o) cost a sublane shuffle per vreg (v6e, head_dim 256,
+    # 1 x 1024 causal prefill at (128, 512, 128, 256): 100.5k -> 88.3k estimated cycles;
+    # Llama-3-8B 111.0k -> 108.4k).
+    def _words_mode(self) -> bool:
+        # (one token per block, decode: its G rows are already the (G, Dp) slab)
+        return self.refs.q_buf.dtype == jnp.bfloat16 and self.g.G % 2 == 0 and self.g.bq > 1
+
+    def _buf_words(self, buf, slot):
+        """``buf[slot]`` ((bq, heads, G, Dp) bf16) as uint32 word rows: a ref view when
+        compiled, a value in the interpreter."""
+        n = self.g.bq * buf.shape[2] * self.g.G
+        if self.interpret:
+            return pltpu.bitcast(buf[slot].reshape(n, self.g.Dp), jnp.uint32)
+        return buf.at[slot].reshape(n, self.g.Dp).bitcast(jnp.uint32)
+
+    def _rows_of(self, heads):
+        """The head-major rows of one KV head from its query heads' (bq, Dp) values."""
+        g = self.g
+        return jnp.concatenate([heads[j][y * g.cq:(y + 1) * g.cq] for y in range(g.n_qchunks) for j in range(g.G)],
+                               axis=0)
+
     def load_q(self, qslot):
-        """The q block, head-major and scaled: qh[h, t * G + g] = q[t, h, g] * q_fold (bf16,
-        the MXU operand dtype). Done once per q block; every step, chunk and row tile then
-        reads its rows as one aligned 2-D slab."""
+        """The q block into qh, head-major and scaled by q_fold (bf16, the MXU operand
+        dtype). Done once per q block; every step, chunk and row tile then reads its rows
+        as one aligned 2-D slab."""
         g, r = self.g, self.refs
+        words_mode = self._words_mode()
+        if words_mode:
+            words, stride = self._buf_words(r.q_buf, qslot), r.q_buf.shape[2] * g.G // 2
         for h in range(g.Hkv):
-            q = r.q_buf[qslot, :, h].astype(jnp.float32).reshape(g.bq * g.G, g.Dp)
-            r.qh[h] = (q * g.q_fold).astype(r.qh.dtype)
+            if words_mode:
+                heads = []
+                for j in range(g.G // 2):
+                    heads += _f32_of_word_halves(
+                        _strided_words(words, h * g.G // 2 + j, g.bq, stride, g.Dp, self.interpret))
+            elif g.bq == 1:
+                r.qh[h] = (r.q_buf[qslot, 0, h].astype(jnp.float32) * g.q_fold).astype(r.qh.dtype)
+                continue
+            else:
+                q = r.q_buf[qslot, :, h].astype(jnp.float32)             # (bq, G, Dp)
+                heads = [q[:, j] for j in range(g.G)]
+            r.qh[h] = (self._rows_of(heads) * g.q_fold).astype(r.qh.dtype)
+
+    def q_pos(self, q_first, row):
+        """Positions (row_tile, 1) of q rows [row, row + row_tile), which lie in one q
+        chunk (``row`` is traced in a q-chunk loop)."""
+        g = self.g
+        y = _div(row, g.G * g.cq)
+        t = jax.lax.broadcasted_iota(jnp.int32, (g.row_tile, 1), 0) + (row - y * (g.G * g.cq))
+        return q_first + y * g.cq + (t if g.G == 1 else jax.lax.rem(t, jnp.int32(g.cq)))
 
     def scores(self, h, row, q_first, k, k_pos, key_end):
         """Masked scores (scaled by q_fold) of q rows [row, row + row_tile) of head h against
@@ -656,7 +747,7 @@ class _Attention:
             s = soft_cap * jnp.tanh(s / soft_cap)
         mask = None
         if not g.decode or g.window:
-            q_pos = q_first + _div(row + jax.lax.broadcasted_iota(jnp.int32, (g.row_tile, 1), 0), g.G)
+            q_pos = self.q_pos(q_first, row)
         if not g.decode:
             # causal and below key_end: one compare per score vreg, against the row's last
             # visible position
@@ -704,34 +795,19 @@ class _Attention:
     # word; fp8 KV (packing 4): each word holds the (K, V) pairs of two heads. So one packed
     # row's K and V rows of a chunk are one sublane-strided load (stride = packed rows per
     # token) of the block viewed as uint32 (Mosaic's ref bitcast, like pltpu.bitcast, packs
-    # rows pk*i .. pk*i + pk - 1 into word i, the first lowest). Mosaic's strided load
-    # needs a base ref with a 128-lane last dim: for head_dim > 128 the word rows are viewed as Dp / 128 rows of 128 lanes (a
-    # row-major reshape) and each lane tile is one strided load. The interpreter cannot
-    # load through a reshaped / bitcast ref: there the same view is built as a value
-    # (pltpu.bitcast, reshape) and each strided load is a dynamic slice taken every
-    # ``stride`` rows, from the same start and stride (tests/test_kernel_interpret.py runs
-    # it; tests/test_kernel_deviceless.py checks the compiled path's Mosaic ops and shapes).
+    # rows pk*i .. pk*i + pk - 1 into word i, the first lowest; ``_strided_words``).
+    # tests/test_kernel_interpret.py runs the interpreter's equivalent;
+    # tests/test_kernel_deviceless.py checks the compiled path's Mosaic ops and shapes.
     def kv_words(self, kvslot, x, kv_row):
         """uint32 (ckv, Dp): word t = packed row ``kv_row`` of token t of chunk x."""
         g, kv_buf = self.g, self.refs.kv_buf
         bkv, ckv, Dp, buf_rows = g.bkv, g.ckv, g.Dp, g.buf_rows
         if self.interpret:
             words = pltpu.bitcast(kv_buf[kvslot].reshape(bkv * buf_rows * g.pk, Dp), jnp.uint32)
-
-            def strided(rows, start, stride):
-                span = jax.lax.dynamic_slice_in_dim(rows, start, (ckv - 1) * stride + 1, axis=0)
-                return span[::stride]
         else:
             words = kv_buf.at[kvslot].reshape(bkv * buf_rows * g.pk, Dp).bitcast(jnp.uint32)
-
-            def strided(rows, start, stride):
-                return rows[pl.ds(start, ckv, stride=stride), :]
         row0 = x * (ckv * buf_rows) + kv_row     # word row of packed row kv_row, token 0
-        if Dp == LANES:
-            return strided(words, row0, buf_rows)
-        nt = Dp // LANES                     # word row r, lane tile j -> row r * nt + j
-        tiles = words.reshape(bkv * buf_rows * nt, LANES)
-        return jnp.concatenate([strided(tiles, row0 * nt + j, buf_rows * nt) for j in range(nt)], axis=1)
+        return _strided_words(words, row0, ckv, buf_rows, Dp, self.interpret)
 
     def kv_of_head(self, kvslot, x, h: int, row_ok):
         """bf16 (K, V) of head h in chunk x, unscaled (k_scale is folded into q, v_scale into
@@ -885,9 +961,26 @@ class _Attention:
         unscaled: one multiply per output row instead of one per V element and chunk)."""
         g, r = self.g, self.refs
         v_scale = 1.0 if g.spec.v_scale is None else g.spec.v_scale
+        cq, G = g.cq, g.G
+        words_mode = self._words_mode()
+        if words_mode:
+            words, stride = self._buf_words(r.o_buf, oslot), r.o_buf.shape[2] * G // 2
         for h in range(g.Hkv):
-            out = r.acc[h] * (v_scale / r.l[h][:, :1])        # (bq * G, Dp)
-            r.o_buf[oslot, :, h] = out.reshape(g.bq, g.G, g.Dp).astype(r.o_buf.dtype)
+            out = r.acc[h] * (v_scale / r.l[h][:, :1])        # (bq * G, Dp), rows as load_q's
+            head = lambda j: jnp.concatenate([out[(y * G + j) * cq:(y * G + j + 1) * cq] for y in range(g.n_qchunks)],
+                                             axis=0)         # query head j: (bq, Dp)
+            if g.bq == 1:
+                r.o_buf[oslot, 0, h] = out.astype(r.o_buf.dtype)
+                continue
+            if not words_mode:
+                r.o_buf[oslot, :, h] = jnp.stack([head(j) for j in range(G)], axis=1).astype(r.o_buf.dtype)
+                continue
+            for j in range(G // 2):
+                w = _bf16_word(head(2 * j), head(2 * j + 1))
+                res = _store_strided_words(words, h * G // 2 + j, stride, w, g.Dp, self.interpret)
+                words = res if self.interpret else words
+        if words_mode and self.interpret:
+            r.o_buf[oslot] = pltpu.bitcast(words, r.o_buf.dtype).reshape(r.o_buf.shape[1:])
 
 
 def _pipeline(g: _Geometry, meta: _Metadata, dma: _Dmas, attn: _Attention, cnt):
@@ -1004,12 +1097,13 @@ def build_case_call(spec: KernelSpec, *, q_shape, q_dtype, newkv_shape, cache_sh
     """The ``pallas_call`` of one case (inputs: 4 SMEM arrays, q, newkv, cache, o_in)."""
     bq, bkv, cq, ckv = spec.bs
     Hkv, G, Dp = spec.num_kv_heads, spec.group, spec.head_dim_p
+    q_heads = q_buffer_heads(Hkv, G, q_dtype)
     kv_block_shape = (bkv // spec.page_size, spec.page_size, kv_buffer_rows(spec.kv_rows), spec.kv_pack, Dp)
     scratch = [
-        pltpu.VMEM((2, bq, Hkv, G, Dp), q_dtype),                  # q_buf
+        pltpu.VMEM((2, bq, q_heads, G, Dp), q_dtype),              # q_buf (_Attention.load_q)
         pltpu.VMEM((2,) + kv_block_shape, cache_dtype),            # kv_buf
         pltpu.VMEM((2, 1, spec.kv_rows, spec.kv_pack, Dp), cache_dtype),  # nkv_buf (decode)
-        pltpu.VMEM((2, bq, Hkv, G, Dp), q_dtype),                  # o_buf
+        pltpu.VMEM((2, bq, q_heads, G, Dp), q_dtype),              # o_buf
         pltpu.VMEM((Hkv, bq * G, Dp), jnp.bfloat16),               # qh (head-major q)
         pltpu.VMEM((Hkv, bq * G, Dp), jnp.float32),                # acc
         pltpu.VMEM((Hkv, bq * G, LANES), jnp.float32),             # m

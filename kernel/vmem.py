@@ -39,12 +39,24 @@ def kv_buffer_rows(kv_rows: int) -> int:
     return kv_rows + 1 if kv_rows > 1 and len(banks) < SUBLANES else kv_rows
 
 
+def q_buffer_heads(num_kv_heads: int, group: int, q_dtype) -> int:
+    """KV heads per token of the kernel's q / o block buffers. A bf16 q with an even group
+    is read and written as uint32 words (two query heads per word: ``kernel.rpa``'s
+    ``load_q`` / ``finalize``), one sublane-strided access per (KV head, head pair) at a
+    stride of ``heads * group / 2`` words; one padding head when that stride would hit a
+    VMEM bank twice (as ``kv_buffer_rows``)."""
+    if np.dtype(q_dtype).name != "bfloat16" or group % 2:
+        return num_kv_heads
+    words = num_kv_heads * group // 2
+    return num_kv_heads + 1 if kv_buffer_rows(words) != words else num_kv_heads
+
+
 def scratch_bytes(bs: BlockSizes, *, num_kv_heads: int, group: int, head_dim: int, page_size: int,
                   kv_rows: int, kv_pack: int, q_dtype, kv_dtype) -> int:
     bq, bkv, cq, ckv = bs
     Dp = round_up(head_dim, LANES)
     total = 0
-    total += 2 * _bytes((2, bq, num_kv_heads, group, Dp), q_dtype)          # q_buf + o_buf
+    total += 2 * _bytes((2, bq, q_buffer_heads(num_kv_heads, group, q_dtype), group, Dp), q_dtype)  # q/o_buf
     total += _bytes((2, bkv // page_size, page_size, kv_buffer_rows(kv_rows), kv_pack, Dp), kv_dtype)
     total += _bytes((2, 1, kv_rows, kv_pack, Dp), kv_dtype)
     total += _bytes((num_kv_heads, bq * group, Dp), np.float16)  # qh (bf16; same tiling as f16)

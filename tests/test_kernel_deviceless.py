@@ -88,12 +88,44 @@ def test_kv_split_is_one_strided_word_load_per_packed_row(monkeypatch, head_dim,
     assert dp == head_dim and pages * page == block_sizes[1] and rows >= 2 * hkv // pk
     words = pages * page * rows
     casts = re.findall(rf"tpu\.memref_bitcast %\w+ : memref<(\d+x\d+)x{mlir_type}.*?> -> memref<(\d+x\d+)xi32", text)
+    # (q / o blocks are viewed as words too: test_q_and_o_blocks_are_strided_word_accesses)
+    casts = [(a, b) for a, b in casts if shape(a)[0] == pk * words]
     assert casts and all(shape(a) == [pk * words, dp] and shape(b) == [words, dp] for a, b in casts), casts[:3]
     nt = head_dim // 128
     loads = re.findall(r"tpu\.strided_load %\w+\[[^\]]*\] \{strides = array<i32: (\d+), (\d+)>\} : "
                        r"memref<(\d+x\d+)xi32.*?>, vector<(\d+x\d+)xi32>", text)
+    loads = [ld for ld in loads if shape(ld[2])[0] == words * nt]
     assert len(loads) >= (2 * hkv // pk) * nt, f"{len(loads)} strided word loads for {2 * hkv // pk} packed rows"
     for row_stride, lane_stride, src, out in loads:
         assert (int(row_stride), int(lane_stride)) == (rows * nt, 1)
         assert shape(src) == [words * nt, 128]
         assert shape(out) == [ckv, 128]
+
+
+@pytest.mark.parametrize("head_dim", [128, 256])
+@pytest.mark.parametrize("model_heads", [(32, 8), (16, 8), (8, 1)], ids=["gqa4", "gqa2", "mqa8"])
+def test_q_and_o_blocks_are_strided_word_accesses(monkeypatch, head_dim, model_heads):
+    """The compiled-only q / o paths (kernel/rpa.py, load_q / finalize) in the Mosaic the
+    compiler receives: a bf16 block buffer (2, bq, heads, G, Dp), heads padded by
+    kernel.vmem.q_buffer_heads, is viewed as uint32 words (bq * heads * G / 2, Dp), and
+    each (KV head, query-head pair) is one strided load of bq word rows (one per
+    128-lane tile) at a stride of one token's words; o the same with strided stores. The
+    interpreter runs the same starts and strides (tests/test_kernel_interpret.py)."""
+    import re
+    from kernel.vmem import q_buffer_heads
+    hq, hkv = model_heads
+    g, bq = hq // hkv, 64
+    text = _mosaic_text(monkeypatch, ModelShape(hq, hkv, head_dim), "v6e", "prefill", (bq, 512, bq, 256))
+    shape = lambda s: [int(d) for d in s.split("x")]
+    heads = q_buffer_heads(hkv, g, "bfloat16")
+    assert heads == (hkv + 1 if hkv * g // 2 % 8 == 0 else hkv)
+    assert re.search(rf"memref<2x{bq}x{heads}x{g}x{head_dim}xbf16", text)
+    words, nt = bq * heads * g // 2, head_dim // 128
+    casts = re.findall(r"tpu\.memref_bitcast %\w+ : memref<(\d+x\d+)xbf16.*?> -> memref<(\d+x\d+)xi32", text)
+    assert sum(shape(a) == [2 * words, head_dim] and shape(b) == [words, head_dim] for a, b in casts) >= 2
+    for op, n in (("strided_load", hkv * g // 2 * nt), ("strided_store", hkv * g // 2 * nt)):
+        found = re.findall(rf"tpu\.{op} %\w+\[[^\]]*\](?:, %\w+)? \{{strides = array<i32: (\d+), (\d+)>\}} : "
+                           r"memref<(\d+x\d+)xi32.*?>, vector<(\d+x\d+)xi32>", text)
+        mine = [f for f in found if shape(f[2])[0] == words * nt]
+        assert len(mine) >= n and len(mine) % n == 0, (op, len(mine), n, found[:3])   # per traced body
+        assert all((int(a), int(b)) == (heads * g // 2 * nt, 1) and shape(v) == [bq, 128] for a, b, _, v in mine)
