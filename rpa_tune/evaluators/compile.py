@@ -67,12 +67,9 @@ class CompileEvaluator(Evaluator):
                 return EvalResult(base.TIMEOUT, self.method, vmem_limit_bytes=limit, device_kind=kind,
                                   message="; ".join(notes + [f"no time left within {task.timeout:.0f} s"]))
             r = compile_fn(task, limit, remaining)
-            vm = r.get("vmem") or {}
-            new = base.next_vmem_limit(vm, limit, cap, tried) if r["status"] == base.VMEM_OOM else None
+            new = _retry_limit(r, limit, cap, tried, notes)
             if new is None:
                 break
-            notes.append(f"{vm['kind']} OOM at limit {limit} (used {vm['used_bytes']}): retried with {new}")
-            tried.add(new)
             limit = new
         compile_s = (r.get("lower_s") or 0.0) + (r.get("compile_s") or 0.0) or None
         common = dict(vmem_limit_bytes=limit, device_kind=kind, compile_s=compile_s)
@@ -162,12 +159,9 @@ class CompileEvaluator(Evaluator):
         tried = {limit}
         while deadline - time.monotonic() > 1:
             r = self._plain_compile(task, limit, deadline - time.monotonic())
-            vm = r.get("vmem") or {}
-            new = base.next_vmem_limit(vm, limit, cap, tried) if r["status"] == base.VMEM_OOM else None
+            new = _retry_limit(r, limit, cap, tried, notes)
             if new is None:
                 break
-            notes.append(f"{vm['kind']} OOM at limit {limit} (used {vm['used_bytes']}): retried with {new}")
-            tried.add(new)
             limit = new
         common = dict(common, vmem_limit_bytes=limit,
                       compile_s=(r.get("lower_s") or 0.0) + (r.get("compile_s") or 0.0) or None)
@@ -196,6 +190,17 @@ def _options(task: Task, limit: int) -> dict:
     if task.sliding_window is not None:
         opts["sliding_window"] = int(task.sliding_window)
     return opts
+
+
+def _retry_limit(r: dict, limit: int, cap: int, tried: set, notes: list) -> int | None:
+    """The scoped limit to compile again with after ``r`` (``base.next_vmem_limit``), noted
+    and added to ``tried``; None when ``r`` is no VMEM OOM or no other limit can help."""
+    vm = r.get("vmem") or {}
+    new = base.next_vmem_limit(vm, limit, cap, tried) if r["status"] == base.VMEM_OOM else None
+    if new is not None:
+        notes.append(f"{vm['kind']} OOM at limit {limit} (used {vm['used_bytes']}): retried with {new}")
+        tried.add(new)
+    return new
 
 
 def _tail(text: str, n: int = 1200) -> str:
