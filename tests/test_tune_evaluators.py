@@ -339,3 +339,29 @@ def test_compile_evaluator_estimates_with_the_task_window():
     assert _options(t, 16 << 20) == {"vmem_limit_bytes": 16 << 20}
     assert _options(dataclasses.replace(t, sliding_window=64), 16 << 20) == {
         "vmem_limit_bytes": 16 << 20, "sliding_window": 64}
+
+
+def test_after_a_profiler_crash_the_plain_compile_takes_the_vmem_retries(monkeypatch):
+    """The profiler died: the plain compile decides, retried at the limit a scoped-limit OOM
+    asks for, and the row says the config fits without the profiler (no compile here: the
+    plain compile is faked)."""
+    lim = ServingLimits(page_size=128, max_num_tokens=512, max_num_seqs=16, max_model_len=8192)
+    t = Task("compile", "v6e", "decode", LLAMA, lim, Workload.of_case("decode", [1], [100]), BlockSizes(1, 512, 1, 256),
+             timeout=60)
+    ev = CompileEvaluator()
+    limits = []
+
+    def plain(task, limit, remaining):
+        limits.append(limit)
+        if len(limits) == 1:
+            return {"status": base.VMEM_OOM, "vmem": {"kind": "scoped_limit", "used_bytes": 40 * MiB,
+                                                    "limit_bytes": 32 * MiB}}
+        return {"status": "ok", "lower_s": 0.1, "compile_s": 0.2}
+
+    monkeypatch.setattr(ev, "_plain_compile", plain)
+    import time as _time
+    r = ev._after_profiler_crash(t, 32 * MiB, _time.monotonic() + 60, {"returncode": -6, "message": "abort"}, [],
+                                 {"device_kind": "deviceless TPU v6 lite"})
+    assert limits == [32 * MiB, base.raised_vmem_limit(40 * MiB, 32 * MiB, 128 * MiB)]
+    assert r.status == "crash" and r.vmem_limit_bytes == limits[-1]
+    assert "retried with" in r.message and "compiles without the profiler" in r.message
