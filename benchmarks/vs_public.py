@@ -195,25 +195,14 @@ def piece(kernel: str, gen: str, case: Case, bs: BlockSizes, page: int, q_lens, 
     req = dict(workload=dict(q_lens=list(w.q_lens), kv_lens=list(w.kv_lens), distribution=list(w.distribution)),
                block_sizes=list(bs), tpu=gen, model=dataclasses.asdict(variant.model),
                limits=dataclasses.asdict(limits(page)), case=case.value)
-    if variant.options:
-        req["options"] = dict(variant.options)
     t0 = time.time()
     expect = json.loads(key)[1] if kernel == "ours" else None
-    r = profiler.profile(KERNELS[kernel], req, timeout=1800, rss_cap=RSS_CAP, bundles=True,
-                         expect_kernel_hash=expect)
-    # as the tuner does (rpa_tune.evaluators.compile): after a VMEM OOM, again with the
-    # scoped limit the compiler asked for, or (a whole-program OOM under the profiler) the
-    # least limit the kernel's scoped allocations fit in
-    limit, tried = None, set()
-    while r["status"] == "vmem_oom":
-        new = next_vmem_limit(r.get("vmem") or {}, limit, int(tpu_info(gen).vmem_capacity_bytes), tried)
-        if new is None:
-            break
-        limit = new
-        tried.add(new)
-        req["options"] = {**variant.options, "vmem_limit_bytes": limit}
-        r = profiler.profile(KERNELS[kernel], req, timeout=1800, rss_cap=RSS_CAP, bundles=True,
-                             expect_kernel_hash=expect)
+
+    def compile_once(options):
+        return profiler.profile(KERNELS[kernel], dict(req, options=options) if options else req, timeout=1800,
+                                rss_cap=RSS_CAP, bundles=True, expect_kernel_hash=expect)
+
+    r, limit = _with_vmem_retries(gen, variant, compile_once)
     rec = dict(key=key, status=r["status"], cycles=r.get("cycles"), wall_s=time.time() - t0,
                max_rss_bytes=r.get("max_rss_bytes"), message=(r.get("message") or "")[-300:],
                vmem_limit_bytes=limit, retried=True, vmem_rule=VMEM_RULE)
@@ -228,6 +217,24 @@ def piece(kernel: str, gen: str, case: Case, bs: BlockSizes, page: int, q_lens, 
           f" {rec['status']} {rec['cycles'] or ''} ({rec['wall_s']:.0f} s, "
           f"{(rec['max_rss_bytes'] or 0) / 2**30:.1f} GB)", flush=True)
     return rec
+
+
+def _with_vmem_retries(gen: str, variant: Variant, run):
+    """``(result, limit)`` of ``run(options)`` (the variant's options; None limit: the
+    kernel's default), compiled again after a VMEM OOM as the tuner does
+    (rpa_tune.evaluators.compile): with the scoped limit the compiler asked for, or, after
+    a whole-program OOM under the profiler, the least limit the kernel's scoped
+    allocations fit in (``next_vmem_limit``; never a limit already tried)."""
+    limit, tried = None, set()
+    r = run(dict(variant.options))
+    while r["status"] == "vmem_oom":
+        new = next_vmem_limit(r.get("vmem") or {}, limit, int(tpu_info(gen).vmem_capacity_bytes), tried)
+        if new is None:
+            break
+        limit = new
+        tried.add(new)
+        r = run({**variant.options, "vmem_limit_bytes": limit})
+    return r, limit
 
 
 def _compile_again(kernel: str, rec: dict) -> bool:
@@ -262,20 +269,16 @@ def composed_piece(gen: str, case: Case, bs: BlockSizes, page: int, q_lens, kv_l
     if old and not (old["status"] == "vmem_oom" and old.get("vmem_rule", 1) < VMEM_RULE):
         return old
     t0 = time.time()
-    limit, tried = None, set()
-    while True:       # the VMEM retries of ``piece``, for the config's probes
-        options = {**variant.options, **({"vmem_limit_bytes": limit} if limit else {})}
+
+    def probe_once(options):
         pr = compose.probe_config(builder=compose.OURS, case=case, bs=bs, tpu=gen,
                                   model=dataclasses.asdict(variant.model), limits=dataclasses.asdict(limits(page)),
                                   options=options or None, timeout=1800)
         if pr.get("environment"):
             raise SystemExit(f"vs_public: {pr['message'][:300]}")
-        new = (next_vmem_limit(pr.get("vmem") or {}, limit, int(tpu_info(gen).vmem_capacity_bytes), tried)
-               if pr["status"] == "vmem_oom" else None)
-        if new is None:
-            break
-        limit = new
-        tried.add(new)
+        return pr
+
+    pr, limit = _with_vmem_retries(gen, variant, probe_once)
     rec = dict(key=key, status=pr["status"], cycles=None, wall_s=time.time() - t0,
                max_rss_bytes=pr.get("max_rss_bytes"), message=(pr.get("message") or "")[-300:],
                vmem_limit_bytes=limit, vmem_rule=VMEM_RULE)
