@@ -162,8 +162,11 @@ class TpuGeneration:
     # MXU weights again. The 128-wide ones want short tiles (their spills cost more).
     score_tile_vregs: int = 256
     # Prefill / mixed: the softmax's exp of (score - max) in bf16, the dtype p takes for
-    # its PV product anyway; row sums stay f32. TPU7x only: the mixed step of
-    # benchmarks/vs_public.py, 100.2k -> 97.6k estimated cycles (v6e: 96.2k -> 95.8k, not taken).
+    # its PV product anyway; row sums stay f32. The 256-wide generations, whose VPU and EUP
+    # have bf16: TPU7x, the mixed step of benchmarks/vs_public.py, 100.2k -> 97.6k
+    # estimated cycles; v6e, 1K causal prefill at (128, 512, 128, 256) with the per-block
+    # state reset cut to m (kernel/rpa.py, reset_max): Llama-3-8B -2.2 % (101.2k -> 99.0k),
+    # head_dim 256 -1.5 % (the mixed step before that cut: 96.2k -> 95.8k).
     bf16_exp: bool = False
 
 
@@ -173,7 +176,7 @@ GENERATIONS: dict[str, TpuGeneration] = {
         TpuGeneration("v4", "v4:2x2x1", "TPU v4", "TPU_V4", score_tile_vregs=64),
         TpuGeneration("v5e", "v5e:1x1", "TPU v5 lite", "TPU_V5E", score_tile_vregs=64),
         TpuGeneration("v5p", "v5p:2x2x1", "TPU v5", "TPU_V5P", score_tile_vregs=64),
-        TpuGeneration("v6e", "v6e:1x1", "TPU v6 lite", "TPU_V6E"),
+        TpuGeneration("v6e", "v6e:1x1", "TPU v6 lite", "TPU_V6E", bf16_exp=True),
         TpuGeneration("tpu7x", "tpu7x:2x2x1", "TPU7x", "TPU_7X", skip_dead_chunks=False, bf16_exp=True),
     )
 }
