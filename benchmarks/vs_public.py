@@ -5,7 +5,8 @@ profiler``: libtpu's static profiler with the unrolled bundle trace on), every c
 audited against the work its piece needs (``rpa_tune.estimator.audit``), and both go
 through the same time model: ``time = max(cycles / calibrated clock, bytes / HBM BW,
 FLOPs / achievable MXU peak)``. Each kernel is reported at its best config of the same
-candidate set. Ours is ``rpa_tune.estimator.ours:lower``; the public one is tpu-inference
+candidate set (``CANDIDATES``; the short-context decode rows: ``SHORT_DECODE_CANDIDATES``).
+Ours is ``rpa_tune.estimator.ours:lower``; the public one is tpu-inference
 0.32.0's kernel module, lowered by ``rpa_tune.estimator.public:lower`` (its metadata made
 visible to the profiler; module doc there).
 
@@ -86,6 +87,10 @@ CANDIDATES = {
     Case.MIXED: [BlockSizes(64, 512, 64, 256), BlockSizes(128, 512, 64, 256)],
 }
 DECODE_LENS = (512, 2048, 8192)
+# Short-context decode (the issue's ">= 1.5x the public kernel at <= 1K"): page 128, each
+# kernel at its best of blocks no longer than 512 tokens.
+SHORT_DECODE_LENS = (128, 256)
+SHORT_DECODE_CANDIDATES = [BlockSizes(1, 128, 1, 128), BlockSizes(1, 256, 1, 256), BlockSizes(1, 512, 1, 512)]
 PAGES = (128, 256)
 PREFILL_LENS = (1024, 2048, 4096)
 MIXED_STEP = ([4, 4, 4, 4, 128], [2048, 2048, 2048, 2048, 640])   # 4 speculative-decode rows + a chunk
@@ -366,6 +371,11 @@ def rows(gens, only):
     """(gen, workload name, case, Workload, {kernel: {bs: Estimate}}, variant)"""
     for gen in gens:
         if not only or "decode" in only:
+            for L in SHORT_DECODE_LENS:
+                w = Workload.of_case("decode", [1] * 128, [L] * 128)
+                yield gen, f"short decode 128 x {L}, page 128", Case.DECODE, w, {
+                    k: {bs: decode_estimate(k, gen, bs, 128, 128, L) for bs in SHORT_DECODE_CANDIDATES}
+                    for k in KERNELS}, BASE
             for L in DECODE_LENS:
                 for page in PAGES:
                     w = Workload.of_case("decode", [1] * 128, [L] * 128)
