@@ -338,8 +338,8 @@ def test_composed_matches_a_full_compile_and_ignores_sequence_order(tmp_path, mo
 # checked at their recorded error bound instead; one that comes back within 5 % fails, so
 # this list and the README stay true.
 KNOWN_COMPOSITION_GAPS = {("v6e", "decode 12 x 700"): 0.06, ("tpu7x", "decode 16 lognormal ~2K"): 0.06,
-                          ("v6e", "prefill 1 x 512"): 0.06, ("v5e", "prefill 1 x 512"): 0.10,
-                          ("v5e", "prefill 1 x 1024"): 0.07, ("v5e", "mixed 6 x 1 lognormal + 64"): 0.06}
+                          ("v6e", "prefill 1 x 512"): 0.08, ("v5e", "prefill 1 x 512"): 0.12,
+                          ("v5e", "prefill 1 x 1024"): 0.08}
 
 
 @pytest.mark.parametrize("gen,case", [(g, c) for g in ("v6e", "tpu7x", "v5e") for c in ("decode", "prefill", "mixed")])
