@@ -37,6 +37,9 @@ are issued, not their sizes (the audit's notes say where that was used).
 
     python benchmarks/vs_public.py --tpu v6e [--tpu tpu7x ...] [--only decode] [--check decode --check prefill]
 
+A run over some generations or cases replaces only its own rows (and their notes) of the
+table it writes; the other rows are kept (``merge_tables``).
+
 Variants (``--variants``; table in ``benchmarks/results/vs_public_variants.md``): the same
 method and candidates for other model shapes and attention options, ``VARIANTS``: head_dim
 64 (Llama-3.2-1B), head_dim 256 (Gemma-2-9B, one chip), an fp8 (e4m3) KV cache with
@@ -470,6 +473,32 @@ def _one_line(message: str, width: int = 200) -> str:
     return pick[at:at + width]
 
 
+def merge_tables(old_text: str, rows: list[str], notes: list[str]) -> tuple[list[str], list[str]]:
+    """``rows`` / ``notes`` of a partial run (``--tpu`` / ``--only`` subsets) merged into the
+    table file they replace (``old_text``): a row is keyed by its generation and workload,
+    a new row takes its old row's place, the old rows of workloads not run are kept (so
+    ``--tpu v6e`` does not drop the v5e and TPU7x rows), and a workload new to the table
+    goes after the last row of its generation. Notes follow their rows."""
+    key = lambda line: tuple(c.strip() for c in line.split("|")[1:3])
+    old_rows = [l for l in old_text.split("\n\n", 1)[0].splitlines()[2:] if l.startswith("| ")]
+    new = {key(l): l for l in rows}
+    out = [new.pop(key(l), l) for l in old_rows]
+    for k, line in new.items():
+        last = max((i for i, l in enumerate(out) if key(l)[0] == k[0]), default=len(out) - 1)
+        out.insert(last + 1, line)
+
+    def note_key(line, keys):
+        return max((k for k in keys if line.startswith(f"- {k[0]} {k[1]}, ")), key=lambda k: len(k[1]), default=None)
+    run = {key(l) for l in rows}
+    old_keys = [key(l) for l in old_rows]
+    kept = [l for l in old_text.splitlines() if l.startswith("- ") and note_key(l, old_keys) not in run]
+    every = [key(l) for l in out]
+    by_key = {}
+    for line in kept + notes:
+        by_key.setdefault(note_key(line, every), []).append(line)
+    return out, [n for k in every + [None] for n in by_key.get(k, [])]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tpu", action="append", default=None)
@@ -507,6 +536,10 @@ def main() -> None:
             if paged:
                 notes.append(f"- {gen} {name}, {k} {', '.join(paged)}: read audit complete with each run-time-sized "
                              "DMA counted at one page at most (`audit.page_bytes`)")
+    if os.path.exists(args.out):
+        with open(args.out) as f:
+            merged, notes = merge_tables(f.read(), lines[2:], notes)
+        lines = lines[:2] + merged
     if args.check:
         lines += ["", "Checks of the composition rules against whole compiles (cycles):", "",
                   "| kernel | gen | workload | config | whole | by the rule | rule / whole |", "|---|---|---|---|---:|---:|---:|"]
