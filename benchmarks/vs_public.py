@@ -38,7 +38,8 @@ are issued, not their sizes (the audit's notes say where that was used).
     python benchmarks/vs_public.py --tpu v6e [--tpu tpu7x ...] [--only decode] [--check decode --check prefill]
 
 A run over some generations or cases replaces only its own rows (and their notes) of the
-table it writes; the other rows are kept (``merge_tables``).
+table it writes; the other rows are kept (``merge_tables``). A generation run for every
+case loses its rows that the run no longer produces.
 
 Variants (``--variants``; table in ``benchmarks/results/vs_public_variants.md``): the same
 method and candidates for other model shapes and attention options, ``VARIANTS``: head_dim
@@ -473,15 +474,17 @@ def _one_line(message: str, width: int = 200) -> str:
     return pick[at:at + width]
 
 
-def merge_tables(old_text: str, rows: list[str], notes: list[str]) -> tuple[list[str], list[str]]:
-    """``rows`` / ``notes`` of a partial run (``--tpu`` / ``--only`` subsets) merged into the
-    table file they replace (``old_text``): a row is keyed by its generation and workload,
-    a new row takes its old row's place, the old rows of workloads not run are kept (so
-    ``--tpu v6e`` does not drop the v5e and TPU7x rows), and a workload new to the table
+def merge_tables(old_text: str, rows: list[str], notes: list[str], rerun_gens=()) -> tuple[list[str], list[str]]:
+    """``rows`` / ``notes`` of a run merged into the table file they replace (``old_text``):
+    a row is keyed by its generation and workload, a new row takes its old row's place, the
+    old rows of workloads not run are kept (so ``--tpu v6e`` does not drop the v5e and
+    TPU7x rows) except in ``rerun_gens``, generations run for every case, whose rows not
+    produced again are gone (a renamed or dropped workload); a workload new to the table
     goes after the last row of its generation. Notes follow their rows."""
     key = lambda line: tuple(c.strip() for c in line.split("|")[1:3])
-    old_rows = [l for l in old_text.split("\n\n", 1)[0].splitlines()[2:] if l.startswith("| ")]
     new = {key(l): l for l in rows}
+    old_rows = [l for l in old_text.split("\n\n", 1)[0].splitlines()[2:]
+                if l.startswith("| ") and (key(l) in new or key(l)[0] not in rerun_gens)]
     out = [new.pop(key(l), l) for l in old_rows]
     for k, line in new.items():
         last = max((i for i, l in enumerate(out) if key(l)[0] == k[0]), default=len(out) - 1)
@@ -538,7 +541,7 @@ def main() -> None:
                              "DMA counted at one page at most (`audit.page_bytes`)")
     if os.path.exists(args.out):
         with open(args.out) as f:
-            merged, notes = merge_tables(f.read(), lines[2:], notes)
+            merged, notes = merge_tables(f.read(), lines[2:], notes, rerun_gens=() if args.only else gens)
         lines = lines[:2] + merged
     if args.check:
         lines += ["", "Checks of the composition rules against whole compiles (cycles):", "",

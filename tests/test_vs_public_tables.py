@@ -35,3 +35,10 @@ def test_a_partial_run_keeps_the_rows_it_did_not_run():
     assert notes == [new_notes[0], old_notes[1], old_notes[2]]
     # a full rerun reproduces the old table
     assert vp.merge_tables(old, old_rows, old_notes) == (old_rows, old_notes)
+    # --tpu v6e over every case: a v6e row the run no longer produces is gone, with its
+    # notes; the other generations' rows stay
+    rows, notes = vp.merge_tables(old, new_rows, new_notes, rerun_gens=("v6e",))
+    assert rows == ["| v6e | decode 128 x 512, page 128 | 1 | 3 | 0.33 |",
+                    "| v6e | short decode 128 x 128, page 128 | 7 | 9 | 0.78 |",
+                    old_rows[2], old_rows[3]]
+    assert notes == [new_notes[0], old_notes[1], old_notes[2]]
