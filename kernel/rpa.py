@@ -521,10 +521,14 @@ class _Metadata:
         lo = _max(0, q_first - g.window + 1) if g.window else 0
         c0 = _div(lo, g.bkv)
         if g.decode:
-            # The steps cover the new token (see _Attention.place_new_token): ctx // bkv + 1
-            # - c0 of them. (From kv_len, the same count, TPU7x's static profiler ran past
-            # 23 GB of memory on any decode step of more than one page.)
-            return _Steps(c0, _div(ctx, g.bkv) + 1 - c0, 0, 0, 0, ctx)
+            # merged: the new token's position is in the last step's block (it is unless
+            # it starts a block: ctx a multiple of bkv). It is then attended with the
+            # cached keys (_Attention.place_new_token), else apart on the VPU (a step of
+            # its own cost 1.8x: v6e, 8 x 1025 tokens at (1, 1024, 1, 512), 68.9k against
+            # 38.0k estimated cycles).
+            nc = _max(1, _cdiv(ctx, g.bkv) - c0)
+            merged = _select_lt(ctx, (c0 + nc) * g.bkv, 1, 0)
+            return _Steps(c0, nc, 0, 0, merged, ctx + merged)
         nc = _max(0, _cdiv(ctx, g.bkv) - c0)
         n_lo = _div(_max(0, lo - ctx), g.bkv)
         nn = _max(1, _cdiv(q_last - ctx + 1, g.bkv) - n_lo)
@@ -543,8 +547,9 @@ class _Steps(typing.NamedTuple):
     """The KV steps of one q block: ``nc`` cached steps (blocks ``c0 ..``, gathered page by
     page from the cache; keys below ``cached_limit``), then ``nn`` steps of new tokens
     (blocks ``n0 ..`` of the new-KV array). ``merged`` (0 / 1): the new tokens are in the
-    last cached step (``cached_limit`` is then kv_len, else the context length), and the
-    sequence's cache update is awaited before that step is fetched."""
+    last cached step (``cached_limit`` is then kv_len, else the context length); prefill /
+    mixed then await the sequence's cache update before that step is fetched, decode
+    copies its new token's row into it (``_Attention.place_new_token``)."""
     c0: object
     nc: object
     n0: object
@@ -844,8 +849,8 @@ class _Attention:
         blk = _select_lt(k_step, nc, st.c0 + k_step, st.n0 + k_step - nc)
         base = _select_lt(k_step, nc, blk * bkv, ctx + blk * bkv)       # position of row 0
         limit = _select_lt(k_step, nc, st.cached_limit, kv_len)         # first invalid position
-        if g.decode:        # the new token is in the last step's block (place_new_token)
-            base, limit = blk * bkv, kv_len
+        if g.decode:        # with the new token when merged (place_new_token)
+            base, limit = blk * bkv, st.cached_limit
         q_first = ctx + i * bq
         q_hi = ctx + _min((i + 1) * bq, q_len)                 # one past last valid pos
         lo_pos = _max(0, q_first - window + 1) if window else 0
@@ -954,9 +959,9 @@ class _Attention:
                 pl.when(live)(functools.partial(_run_chunk, chunk, x))
 
     def place_new_token(self, info, blk, kvslot, nslot):
-        """Decode: the sequence's own new token's K/V row (``nkv_buf[nslot]``) into KV
-        slot ``kvslot`` at its position, once the slot's pages have landed, so the last
-        step attends to it with the cached keys. (Its cache write is in flight meanwhile;
+        """Decode, merged (``_Steps``): the sequence's own new token's K/V row
+        (``nkv_buf[nslot]``) into KV slot ``kvslot`` at its position, once the slot's
+        pages have landed, so the last step attends to it with the cached keys. (Its cache write is in flight meanwhile;
         the page copies read only the cached positions.) Attending to it separately on the
         VPU put a lane reduction and a second softmax update on every sequence's critical
         path: v6e decode 8 x 128 tokens at (1, 128, 1, 128), 11,535 -> 10,481 estimated
@@ -965,6 +970,28 @@ class _Attention:
         off = info[3] - blk * g.bkv                             # ctx: the new token's position
         p, t = _div(off, g.ps), _rem(off, g.ps)
         r.kv_buf[kvslot, p, t, pl.ds(0, g.spec.kv_rows)] = r.nkv_buf[nslot, 0]
+
+    def decode_new_token(self, nslot):
+        """Decode, when the new token starts a block no step fetches (``_Steps``): attend
+        to it on the VPU."""
+        g, r, spec = self.g, self.refs, self.g.spec
+        row = r.nkv_buf[nslot, 0].astype(jnp.float32)         # (kv_rows, pk, Dp)
+        grp = pl.ds(0, g.G)
+        for h in range(g.Hkv):
+            kv_row, j = divmod(2 * h, g.pk)
+            kk = row[kv_row, j:j + 1, :]                       # (1, Dp)
+            vv = row[kv_row, j + 1:j + 2, :]                   # unscaled, as the cache's V
+            q = r.qh[h, grp].astype(jnp.float32)
+            s = jnp.sum(q * kk, axis=1, keepdims=True)                   # (G, 1), scaled
+            if spec.soft_cap is not None:
+                s = spec.soft_cap * jnp.tanh(s / spec.soft_cap)
+            m_prev = r.m[h, grp]
+            m_new = jnp.maximum(m_prev, s)                     # (G, 128)
+            p = g.exp(s - m_new)
+            alpha = g.exp(m_prev - m_new)
+            r.l[h, grp] = alpha * r.l[h, grp] + p
+            r.m[h, grp] = m_new
+            r.acc[h, grp] = _lanes(alpha, g.Dp) * r.acc[h, grp] + _lanes(p, g.Dp) * vv
 
     def finalize(self, oslot):
         """The output block: acc / l, times v_scale (every V entered the PV products
@@ -1046,12 +1073,15 @@ def _pipeline(g: _Geometry, meta: _Metadata, dma: _Dmas, attn: _Attention, cnt):
 
                 dma.wait_kv(kvslot)
                 if g.decode:
-                    pl.when(last_step)(lambda: attn.place_new_token(info, st.c0 + k, kvslot, qslot))
+                    pl.when(jnp.logical_and(last_step, st.merged == 1))(
+                        lambda: attn.place_new_token(info, st.c0 + k, kvslot, qslot))
                 attn.compute_step(info, i, k, kvslot, st)
                 cnt[_Word.KV_SLOT] = 1 - kvslot
                 return carry3
 
             jax.lax.fori_loop(0, nsteps, step, 0)
+            if g.decode:
+                pl.when(st.merged == 0)(lambda: attn.decode_new_token(qslot))
             oslot = cnt[_Word.O_SLOT]
             attn.finalize(oslot)
 

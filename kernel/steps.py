@@ -43,8 +43,9 @@ def plan(case: Case | str, bs: BlockSizes, page_size: int, q_len: int, kv_len: i
         c0 = lo // bkv
         nc = max(0, cdiv(ctx, bkv) - c0)
         cached_limit = ctx
-        if decode:      # the last step also holds the new token (kernel.rpa, place_new_token)
-            n0, nn, nc = 0, 0, ctx // bkv + 1 - c0
+        if decode:      # merged: the last step's block holds the new token (kernel.rpa._Steps)
+            n0, nn, nc = 0, 0, max(1, nc)
+            cached_limit = ctx + int(ctx < (c0 + nc) * bkv)
         else:
             n0 = max(0, lo - ctx) // bkv
             nn = max(1, cdiv(q_hi - ctx, bkv) - n0)
@@ -58,7 +59,7 @@ def plan(case: Case | str, bs: BlockSizes, page_size: int, q_len: int, kv_len: i
             valid = max(0, min(bkv, limit - blk * bkv))
             base = blk * bkv if (cached or decode) else ctx + blk * bkv    # position of row 0
             if decode:
-                x_hi = min(n_chunks, cdiv(max(0, min(kv_len, q_hi) - base), ckv))
+                x_hi = min(n_chunks, cdiv(max(0, min(cached_limit, q_hi) - base), ckv))
                 x_lo = min(x_hi, max(0, lo - base) // ckv) if sliding_window else 0
                 chunks = x_hi - x_lo
             elif skip_dead_chunks:

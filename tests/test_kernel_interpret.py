@@ -36,8 +36,9 @@ CASES = [
     ("decode-gqa", GQA, SMALL, decode_w(0), dict(d_block_sizes=(1, 64, 1, 32))),
     ("decode-bkv-not-dividing", MQA, SMALL, Workload.of_case("decode", [1, 1], [1, 200]),
      dict(d_block_sizes=(1, 48, 1, 16))),
-    # the new token at a block's / page's first row, whose page holds no cached token
-    # (the kernel writes it into its KV step's buffer: kernel/rpa.py, place_new_token)
+    # the new token at a block's first row (attended apart: 65, 33), at a page's first
+    # row in the last step's block, a page no DMA fetches (written into the step's
+    # buffer: kernel/rpa.py, place_new_token: 17, 1), at a block's last row (64)
     ("decode-new-token-opens-a-block", GQA, SMALL, Workload.of_case("decode", [1] * 5, [65, 33, 64, 17, 1]),
      dict(d_block_sizes=(1, 32, 1, 16))),
     ("decode-mha-fetch-eq-compute", MHA, SMALL, decode_w(1, n=2), dict(d_block_sizes=(1, 32, 1, 32))),

@@ -60,18 +60,20 @@ def test_baseline_is_the_public_default_and_legal():
 
 def test_public_decode_walk_covers_the_new_token():
     """The public kernel's decode KV walk (its _fetch_bkv: blocks of bkv over all kv_len
-    tokens, one DMA per page) against ours (kv_len - 1 cached tokens in steps, the new
-    token apart), as the composition prices them."""
+    tokens, one DMA per page) against ours (the kv_len - 1 cached tokens' pages, the new
+    token in the last step unless it starts a block), as the composition prices them."""
     from rpa_tune.estimator.compose import pipeline_steps, probes
     bs, page = BlockSizes(1, 512, 1, 256), 128
     for kv in (1, 128, 129, 512, 513, 1000, 1025):
         steps = pipeline_steps(bs, page, [kv], walk_new=True)
         want = [min(512, kv - i * 512) for i in range(-(-kv // 512))]
         assert [p for p, *_ in steps] == [-(-n // page) for n in want], kv
+    # a new token that starts a block: a step of its own for the public kernel, not ours
     assert len(pipeline_steps(bs, page, [513])) == 1 and len(pipeline_steps(bs, page, [513], walk_new=True)) == 2
-    # its probes end on the same step boundaries as ours, one token earlier
-    ours, theirs = probes("decode", bs, page), probes("decode", bs, page, walk_new=True)
-    assert [p.kv_lens[0] - 1 for p in ours] == [p.kv_lens[0] for p in theirs]
+    # elsewhere both attend to it in their last step: the probes' walks have the same steps
+    for p in probes("decode", bs, page):
+        ours, theirs = pipeline_steps(bs, page, p.kv_lens), pipeline_steps(bs, page, p.kv_lens, walk_new=True)
+        assert [c for _, c, *_ in ours] == [c for _, c, *_ in theirs], p.kv_lens
 
 
 # ----------------------------------------------------------------------------- sweep (CLI)

@@ -40,14 +40,13 @@ class Probe:
         return Workload.of_case(case, list(self.q_lens), list(self.kv_lens))
 
 
-def probes(case: Case | str, bs: BlockSizes, page_size: int, skip_dead_chunks: bool = True,
-           walk_new: bool = False) -> list[Probe]:
+def probes(case: Case | str, bs: BlockSizes, page_size: int, skip_dead_chunks: bool = True) -> list[Probe]:
     """The probe workloads of one config. Decode: eight batches of 4-8 sequences (one page,
     a part step, three pages, one full step, two full steps), enough steps for the pipeline
     to reach its steady state, where a step costs the larger of its compute and its page
-    DMAs (``pipeline_cycles``). Prefill / mixed: at most three sequences, two q blocks.
-    ``walk_new``: the kernel's KV walk covers the new token too (``pipeline_steps``), so the
-    decode probes end on the same step boundaries one token earlier."""
+    DMAs (``pipeline_cycles``); their KV lengths end on step boundaries, the new token
+    included (both kernels attend to it in their last step, ``pipeline_steps``). Prefill /
+    mixed: at most three sequences, two q blocks."""
     case = Case.parse(case)
     bq, bkv, _, ckv = bs
     P = page_size
@@ -59,7 +58,7 @@ def probes(case: Case | str, bs: BlockSizes, page_size: int, skip_dead_chunks: b
         for n, ctx in shapes:
             if (n, ctx) not in seen:
                 seen.add((n, ctx))
-                out.append(Probe((1,) * n, (ctx + (0 if walk_new else 1),) * n))
+                out.append(Probe((1,) * n, (ctx,) * n))
         return out
     one = [(bq, bq)]
     # Where dead chunks are skipped, chunks and cached pages vary apart only if a probe's
@@ -83,18 +82,32 @@ def pipeline_steps(bs: BlockSizes, page_size: int, kv_lens, sliding_window=None,
     sequence, ends in a partial chunk). The kernel runs the chunks wholly below the context
     end unmasked and a partial last chunk masked, in a loop of its own.
 
-    ``walk_new``: the kernel walks all ``kv_len`` tokens in its KV steps, the new token
-    included (tpu-inference's RPA v3 fills a block from the cache, then from the new-KV
-    array; lowered with write-back off, all from the cache), where ours walks the cached
-    ``kv_len - 1`` and reads the new token apart: its steps are ours for one token more."""
+    Ours (``kernel.steps.plan``) fetches the ``kv_len - 1`` cached tokens' pages, and
+    computes the new token with the last step's keys unless it starts a block of its own
+    (then on the VPU, apart). ``walk_new``: tpu-inference's RPA v3, whose KV steps read all
+    ``kv_len`` tokens (a block filled from the cache, then from the new-KV array; lowered
+    with write-back off, all from the cache), so a new token that starts a block is a
+    step of its own."""
     out = []
-    for kv in ((k + 1 for k in kv_lens) if walk_new else kv_lens):
+    bkv, ckv = bs.bkv, bs.ckv
+    for kv in kv_lens:
         ctx = kv - 1
-        first_blk = max(0, ctx - sliding_window + 1) // bs.bkv if sliding_window else 0
-        for i, st in enumerate(plan(Case.DECODE, bs, page_size, 1, kv, sliding_window)[0]):
-            blk = first_blk + i
-            valid = min((blk + 1) * bs.bkv, ctx) - blk * bs.bkv
-            out.append((st.pages, st.chunks, i == 0, valid % bs.ckv != 0))
+        if walk_new:
+            lo = max(0, kv - sliding_window + 1) if sliding_window else 0
+            c0 = lo // bkv
+            for i in range(max(1, cdiv(kv, bkv) - c0)):
+                base = (c0 + i) * bkv
+                valid = max(0, min(bkv, kv - base))
+                x_hi = min(bkv // ckv, cdiv(valid, ckv))
+                x_lo = min(x_hi, max(0, lo - base) // ckv) if sliding_window else 0
+                out.append((cdiv(valid, page_size), x_hi - x_lo, i == 0, valid % ckv != 0))
+            continue
+        c0 = max(0, ctx - sliding_window + 1) // bkv if sliding_window else 0
+        steps = plan(Case.DECODE, bs, page_size, 1, kv, sliding_window)[0]
+        limit = ctx + int(ctx < (c0 + len(steps)) * bkv)          # with the new token when merged
+        for i, st in enumerate(steps):
+            valid = min((c0 + i + 1) * bkv, limit) - (c0 + i) * bkv
+            out.append((st.pages, st.chunks, i == 0, valid % ckv != 0))
     return out
 
 
@@ -285,7 +298,7 @@ def probe_config(*, builder: str, case: Case | str, bs: BlockSizes, tpu: str, mo
     # Our kernel skips dead chunks except on TPU7x (kernel.config.TpuGeneration); the public
     # kernel's lowering runs a compute chunk only below its KV block's valid length.
     skip = get_generation(tpu).skip_dead_chunks if builder == OURS else True
-    plist = probes(case, bs, limits["page_size"], skip, walk_new)
+    plist = probes(case, bs, limits["page_size"], skip)
     window = (options or {}).get("sliding_window")
     if use_cache and os.path.exists(path):
         try:
