@@ -98,8 +98,18 @@ def main(argv=None) -> int:
         w = Workload.of_case(Case.parse(a.case), _lens(a.q_lens), _lens(a.kv_lens))
     except (ValueError, TypeError) as e:
         _fail(str(e))
-    out = a.keep or tempfile.mkdtemp(prefix="rpa_critical_path_")
-    os.makedirs(out, exist_ok=True)
+    if a.keep:
+        os.makedirs(a.keep, exist_ok=True)
+        return _run(a, w, bs, model, a.keep)
+    # libtpu's logs and dumps run to 100 MB per compile (rpa_tune.estimator.profiler)
+    with tempfile.TemporaryDirectory(prefix="rpa_critical_path_") as out:
+        return _run(a, w, bs, model, out)
+
+
+def _run(a, w, bs, model, out: str) -> int:
+    """Compile once with the critical-path dump into ``out`` and print the summary."""
+    from kernel.config import Case
+    from kernel.workload import ServingLimits
     from rpa_tune.estimator.profiler import BUNDLES_FLAG, PROFILE_FLAG, libtpu_env
     os.environ.update(libtpu_env())
     os.environ["LIBTPU_INIT_ARGS"] = " ".join(
@@ -122,7 +132,7 @@ def main(argv=None) -> int:
             print("cycles past one per instruction, by opcode:")
             for op, c in excess_by_opcode(path).most_common(12):
                 print(f"  {c:8d}  {op}")
-            print(f"longest waits (cycles | instruction -> next on the path):")
+            print("longest waits (cycles | instruction -> next on the path):")
             for gap, ia, ib in sorted(waits(path), key=lambda x: -x[0])[:a.top]:
                 print(f"  {gap:6d} | {ia[:100]} -> {ib[:60]}")
     return 0
