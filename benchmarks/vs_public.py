@@ -5,7 +5,9 @@ profiler``: libtpu's static profiler with the unrolled bundle trace on), every c
 audited against the work its piece needs (``rpa_tune.estimator.audit``), and both go
 through the same time model: ``time = max(cycles / calibrated clock, bytes / HBM BW,
 FLOPs / achievable MXU peak)``. Each kernel is reported at its best config of the same
-candidate set (``CANDIDATES``; the short-context decode rows: ``SHORT_DECODE_CANDIDATES``).
+candidate set (``CANDIDATES``; the short-context decode rows: ``SHORT_DECODE_CANDIDATES``),
+ours also at decode groups of several sequences per step where they can pay off
+(``GROUP_CANDIDATES``: the public kernel has no such dimension).
 Ours is ``rpa_tune.estimator.ours:lower``; the public one is tpu-inference
 0.32.0's kernel module, lowered by ``rpa_tune.estimator.public:lower`` (its metadata made
 visible to the profiler; module doc there).
@@ -14,8 +16,8 @@ Method (the same for both kernels; whole compiles of the large workloads do not 
 memory for every kernel and generation, so each workload is built from compiles of its
 pieces by a rule stated here and checked where a whole compile fits):
 
-* decode, n identical sequences: whole compiles of 8 and 16 sequences, extrapolated
-  linearly in n (``c(n) = c8 + (n - 8) (c16 - c8) / 8``). Checked against whole 128-sequence
+* decode, n identical sequences: whole compiles of 8 and 16 sequences (one and two
+  steps' worth of groups of up to 8), extrapolated linearly in n (``c(n) = c8 + (n - 8) (c16 - c8) / 8``). Checked against whole 128-sequence
   compiles in the ``--check`` rows.
 * causal prefill, one sequence of L tokens: a whole compile for L <= 1024; longer ones
   from whole compiles of 256, 512 and 1024 tokens, fitted as ``a + b (q blocks) + c (KV
@@ -95,6 +97,21 @@ DECODE_LENS = (512, 2048, 8192)
 # kernel at its best of blocks no longer than 512 tokens.
 SHORT_DECODE_LENS = (128, 256)
 SHORT_DECODE_CANDIDATES = [BlockSizes(1, 128, 1, 128), BlockSizes(1, 256, 1, 256), BlockSizes(1, 512, 1, 512)]
+# Ours only: decode with bq = cq > 1 sequences per KV step (kernel/rpa.py compute_group), a
+# dimension the public kernel does not have (its decode q block is one sequence's tokens).
+# Added where it can pay off (short blocks; at 2K it measured even: v6e 16 x 2048 at
+# (2, 2048, 2, 1024) 129.8k against (1, 2048, 1, 1024) 129.6k estimated cycles).
+GROUP_CANDIDATES = {
+    "short": [BlockSizes(b, n, b, n) for n in (128, 256) for b in (2, 4, 8)],
+    512: [BlockSizes(b, 512, b, 512) for b in (2, 4)],
+}
+
+
+def decode_candidates(kernel: str, L: int, short: bool = False) -> list[BlockSizes]:
+    base = SHORT_DECODE_CANDIDATES if short else CANDIDATES[Case.DECODE]
+    if kernel != "ours":
+        return base
+    return base + GROUP_CANDIDATES.get("short" if short else L, [])
 PAGES = (128, 256)
 PREFILL_LENS = (1024, 2048, 4096)
 MIXED_STEP = ([4, 4, 4, 4, 128], [2048, 2048, 2048, 2048, 640])   # 4 speculative-decode rows + a chunk
@@ -378,13 +395,13 @@ def rows(gens, only):
             for L in SHORT_DECODE_LENS:
                 w = Workload.of_case("decode", [1] * 128, [L] * 128)
                 yield gen, f"short decode 128 x {L}, page 128", Case.DECODE, w, {
-                    k: {bs: decode_estimate(k, gen, bs, 128, 128, L) for bs in SHORT_DECODE_CANDIDATES}
+                    k: {bs: decode_estimate(k, gen, bs, 128, 128, L) for bs in decode_candidates(k, L, short=True)}
                     for k in KERNELS}, BASE
             for L in DECODE_LENS:
                 for page in PAGES:
                     w = Workload.of_case("decode", [1] * 128, [L] * 128)
                     yield gen, f"decode 128 x {L}, page {page}", Case.DECODE, w, {
-                        k: {bs: decode_estimate(k, gen, bs, page, 128, L) for bs in CANDIDATES[Case.DECODE]}
+                        k: {bs: decode_estimate(k, gen, bs, page, 128, L) for bs in decode_candidates(k, L)}
                         for k in KERNELS}, BASE
         if not only or "prefill" in only:
             for L in PREFILL_LENS:

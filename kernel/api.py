@@ -223,14 +223,14 @@ def case_spec(case: Case, options: Options, *, num_kv_heads, group, head_dim, pa
 
 
 def default_case_vmem_limit(bs: BlockSizes, *, generation: str, num_q_heads: int, num_kv_heads: int,
-                            head_dim: int, page_size: int, q_dtype, kv_dtype) -> int:
+                            head_dim: int, page_size: int, q_dtype, kv_dtype, case=None) -> int:
     """The scoped VMEM limit a call uses for ``bs`` when neither the caller nor a table
     gives one (what ``vmem_limit_for`` computes inside the jitted call)."""
     pk = 32 // (np.dtype(kv_dtype).itemsize * 8)
     sb = scratch_bytes(BlockSizes.coerce(bs), num_kv_heads=num_kv_heads, group=num_q_heads // num_kv_heads,
                        head_dim=round_up(head_dim, 128), page_size=page_size,
                        kv_rows=cdiv(2 * num_kv_heads, pk), kv_pack=pk, q_dtype=np.dtype(q_dtype),
-                       kv_dtype=np.dtype(kv_dtype))
+                       kv_dtype=np.dtype(kv_dtype), decode=case is not None and Case.parse(case) == Case.DECODE)
     return default_vmem_limit(sb, tpu_info(generation).vmem_capacity_bytes)
 
 
@@ -239,7 +239,7 @@ def vmem_limit_for(spec: rpa.KernelSpec, q_dtype, kv_dtype, generation: str, exp
         return int(explicit)
     sb = scratch_bytes(spec.bs, num_kv_heads=spec.num_kv_heads, group=spec.group,
                        head_dim=spec.head_dim_p, page_size=spec.page_size, kv_rows=spec.kv_rows,
-                       kv_pack=spec.kv_pack, q_dtype=q_dtype, kv_dtype=kv_dtype)
+                       kv_pack=spec.kv_pack, q_dtype=q_dtype, kv_dtype=kv_dtype, decode=spec.case == Case.DECODE)
     return default_vmem_limit(sb, tpu_info(generation).vmem_capacity_bytes)
 
 

@@ -77,6 +77,9 @@ class BlockSizes(NamedTuple):
         return f"bq{self.bq}_bkv{self.bkv}_cq{self.cq}_ckv{self.ckv}"
 
 
+DECODE_GROUPS = (1, 2, 4, 8)     # decode: sequences per KV step (bq = cq)
+
+
 def block_size_errors(case: Case, bs: BlockSizes, page_size: int) -> list[str]:
     """Legality rules of a block-size tuple; an empty list means legal."""
     errs = []
@@ -93,10 +96,9 @@ def block_size_errors(case: Case, bs: BlockSizes, page_size: int) -> list[str]:
         errs.append(f"bkv={bs.bkv} must be a multiple of page_size={page_size}")
     if bs.ckv % page_size:
         errs.append(f"ckv={bs.ckv} must be a multiple of page_size={page_size}")
-    if case == Case.DECODE and (bs.bq != 1 or bs.cq != 1):
-        errs.append(
-            f"decode block sizes need bq == cq == 1 (decode is specialised for q_len = 1), got bq={bs.bq}, cq={bs.cq}"
-        )
+    if case == Case.DECODE and (bs.cq != bs.bq or bs.bq not in DECODE_GROUPS):
+        errs.append(f"decode block sizes need bq == cq in {DECODE_GROUPS} (sequences per step, one token each), "
+                    f"got bq={bs.bq}, cq={bs.cq}")
     return errs
 
 

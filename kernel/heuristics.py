@@ -2,7 +2,8 @@
 
 The rule, per case (all KV sizes rounded to multiples of ``page_size``):
 
-* decode: ``bq = cq = 1``. ``bkv`` = tokens whose merged K+V bytes (all KV heads) make
+* decode: ``bq = cq = 1`` (one sequence per step; groups of sequences are the tuner's to
+  find). ``bkv`` = tokens whose merged K+V bytes (all KV heads) make
   ``DECODE_BLOCK_BYTES[gen]`` (1 MiB on v4's 16 MiB VMEM, 2 MiB on v5e/v5p, 4 MiB on
   v6e/TPU7x), capped at ``max_model_len`` and at 4096 tokens. Fetch and compute are
   split: ``ckv = min(bkv, 512)`` tokens, so the DMA granularity can grow without
@@ -66,7 +67,7 @@ def heuristic_block_sizes(case: Case, *, generation: str, num_q_heads: int, num_
         sb = scratch_bytes(b, num_kv_heads=num_kv_heads, group=num_q_heads // num_kv_heads,
                            head_dim=head_dim, page_size=page_size,
                            kv_rows=cdiv(2 * num_kv_heads, pk), kv_pack=pk, q_dtype=q_dtype,
-                           kv_dtype=kv_dtype)
+                           kv_dtype=kv_dtype, decode=Case.parse(case) == Case.DECODE)
         return sb * 1.25 + (1 << 20) <= budget
 
     while not fits(bs):

@@ -73,7 +73,7 @@ class _Word:
     Q_SLOT = 2         # q_buf slot of the current q block
     KV_SLOT = 3        # kv_buf slot of the current KV step
     O_SLOT = 4         # o_buf slot the next output goes through
-    O_PENDING = 5      # 1 once an output write is in flight
+    O_PENDING = 5      # output writes in flight (1 once one is; decode: its group's rows)
     COUNT = 6
 
 
@@ -207,16 +207,20 @@ def _when(cond, fn):
         pl.when(cond)(fn)
 
 
-def _like_runs(lo: int, hi: int, kv_lens, cu_q_lens) -> list[tuple[int, int]]:
-    """Sequences ``lo .. hi - 1`` cut into maximal runs with the same q and KV length."""
+def _like_runs(lo: int, hi: int, kv_lens, cu_q_lens, n: int = 1) -> list[tuple[int, int]]:
+    """Sequences ``lo .. hi - 1``, in groups of n from lo (the last may be short), cut into
+    maximal runs of whole groups whose sequences all have the same q and KV length;
+    a group that is short or unlike is a run of its own."""
     shape = lambda s: (cu_q_lens[s + 1] - cu_q_lens[s], kv_lens[s])     # (q_len, kv_len)
-    runs = []
-    for s in range(lo, hi):
-        if runs and shape(s) == shape(s - 1):
-            runs[-1] = (runs[-1][0], s + 1)
+    runs = []       # (first, end, alike)
+    for s in range(lo, hi, n):
+        e = min(s + n, hi)
+        alike = e - s == n and all(shape(t) == shape(s) for t in range(s, e))
+        if runs and alike and runs[-1][2] and shape(s) == shape(runs[-1][0]):
+            runs[-1] = (runs[-1][0], e, True)
         else:
-            runs.append((s, s + 1))
-    return runs
+            runs.append((s, e, alike))
+    return [(a, b) for a, b, _ in runs]
 
 
 def _run_chunk(chunk, x):
@@ -396,6 +400,7 @@ class _Geometry:
     n_chunks: int            # ckv chunks per KV block
     n_qchunks: int           # cq chunks per q block
     decode: bool
+    nseq: int                # sequences per q block: decode bq (one token each), else 1
     window: int | None
     q_fold: float            # folded into q once per q block (see load_q)
     base2: bool              # scores in base 2 (exp2) rather than e
@@ -414,6 +419,7 @@ class _Geometry:
         return cls(spec=spec, bq=bq, bkv=bkv, cq=cq, ckv=ckv, ps=spec.page_size, pk=pk, Hkv=spec.num_kv_heads,
                    G=spec.group, Dp=Dp, pages_per_block=bkv // spec.page_size,
                    n_chunks=bkv // ckv, n_qchunks=bq // cq, decode=spec.case == Case.DECODE,
+                   nseq=bq if spec.case == Case.DECODE else 1,
                    window=spec.sliding_window, q_fold=scale * (math.log2(math.e) if base2 else 1.0),
                    base2=base2, row_tile=_row_tile(cq * spec.group, ckv, spec.score_tile_vregs),
                    buf_rows=kv_buffer_rows(spec.kv_rows))
@@ -503,6 +509,12 @@ class _Metadata:
     def clamp(self, s):
         return _min(s, self.g.spec.max_num_seqs - 1)
 
+    def members(self, s):
+        """(b, sequence, valid) of the q block's sequences from s: decode's group of ``nseq``
+        (its last group may be short: ``valid`` is a bool, traced or not), else s alone."""
+        hi = self.seq_range[1]
+        return [(b, s + b, True if b == 0 else s + b < hi) for b in range(self.g.nseq)]
+
     def seq_info(self, s):
         """(q_start, q_len, kv_len, ctx, number of q blocks) of sequence s."""
         sc = self.clamp(s)
@@ -569,11 +581,23 @@ class _Dmas:
         return pltpu.make_async_copy(r.q_hbm.at[pl.ds(q_start + i * self.g.bq, self.g.bq)],
                                      r.q_buf.at[slot, :, pl.ds(0, self.g.Hkv)], r.sems.at[_Sem.Q, slot])
 
-    def new_kv_row(self, q_start, slot):
-        """Decode: the new token's K/V row."""
+    def q_row(self, q_start, slot, b):
+        """Decode: the q token of the group's sequence b."""
         r = self.refs
-        return pltpu.make_async_copy(r.newkv_hbm.at[pl.ds(q_start, 1)], r.nkv_buf.at[slot],
+        return pltpu.make_async_copy(r.q_hbm.at[pl.ds(q_start, 1)], r.q_buf.at[slot, pl.ds(b, 1), pl.ds(0, self.g.Hkv)],
+                                     r.sems.at[_Sem.Q, slot])
+
+    def new_kv_row(self, q_start, slot, b):
+        """Decode: the new token's K/V row of the group's sequence b."""
+        r = self.refs
+        return pltpu.make_async_copy(r.newkv_hbm.at[pl.ds(q_start, 1)], r.nkv_buf.at[slot, pl.ds(b, 1)],
                                      r.sems.at[_Sem.NEW_KV, slot])
+
+    def o_row(self, q_start, slot, b):
+        """Decode: the output token of the group's sequence b."""
+        r = self.refs
+        return pltpu.make_async_copy(r.o_buf.at[slot, pl.ds(b, 1), pl.ds(0, self.g.Hkv)],
+                                     r.o_hbm.at[pl.ds(q_start, 1)], r.sems.at[_Sem.O, 0])
 
     def kv_page(self, src, slot, p):
         """One page (or page-sized run of new tokens) into page p of KV slot ``slot`` (the
@@ -595,30 +619,77 @@ class _Dmas:
                                      r.cache_hbm.at[page, pl.ds(_rem(pos, g.ps), rows)], r.sems.at[_Sem.CACHE, 0])
 
     def fetch_q(self, s, i, slot):
-        q_start = self.meta.seq_info(s)[0]
-        self.q_block(q_start, i, slot).start()
-        if self.g.decode:
-            self.new_kv_row(q_start, slot).start()
+        """Start the copy of q block i of sequence s (decode: of the group from s, and its
+        new K/V rows) into ``slot``."""
+        meta = self.meta
+        if not self.g.decode:
+            self.q_block(meta.seq_info(s)[0], i, slot).start()
+            return
+        for b, seq, valid in meta.members(s):
+            def start(b=b, seq=seq):
+                q_start = meta.cu(meta.clamp(seq))
+                self.q_row(q_start, slot, b).start()
+                self.new_kv_row(q_start, slot, b).start()
+            _when(valid, start)
 
-    def wait_q(self, slot):
-        self.q_block(0, 0, slot).wait()
-        if self.g.decode:
-            self.new_kv_row(0, slot).wait()
+    def wait_q(self, slot, n=1):
+        """Await the q block in ``slot`` (decode: its first n sequences' rows)."""
+        if not self.g.decode:
+            self.q_block(0, 0, slot).wait()
+            return
+        for b in range(self.g.nseq):
+            def wait(b=b):
+                self.q_row(0, slot, b).wait()
+                self.new_kv_row(0, slot, b).wait()
+            _when(True if b == 0 else b < n, wait)
+
+    def set_kv_pages(self, slot, n):
+        """Pages in flight into KV slot ``slot`` (static addresses: see _Word)."""
+        r = self.refs
+        r.cnt[_Word.KV_PAGES_0] = _select_lt(slot, 1, n, r.cnt[_Word.KV_PAGES_0])
+        r.cnt[_Word.KV_PAGES_1] = _select_lt(slot, 1, r.cnt[_Word.KV_PAGES_1], n)
+
+    def fetch_kv_group(self, s, k, slot):
+        """Decode: start the page copies of KV step k of the group from s into ``slot``,
+        sequence b's into pages ``[b * pages_per_block, ...)``; a sequence with fewer
+        steps (or past the last) fetches nothing."""
+        g, r, meta = self.g, self.refs, self.meta
+        total = 0
+        for b, seq, valid in meta.members(s):
+            info = meta.seq_info(seq)
+            ctx = info[3]
+            blk = meta.qblock_steps(info, 0).c0 + k
+            limit = ctx if valid is True else _select_lt(seq, meta.seq_range[1], ctx, 0)
+            npages = _cdiv(_max(0, _min(g.bkv, limit - blk * g.bkv)), g.ps)
+            total = total + npages
+            sc = meta.clamp(seq)
+
+            def one_page(p, carry, b=b, blk=blk, npages=npages, sc=sc):
+                @pl.when(p < npages)
+                def _():
+                    page = meta.page(sc * g.spec.pages_per_seq + blk * g.pages_per_block + p)
+                    self.kv_page(r.cache_hbm.at[page], slot, b * g.pages_per_block + p).start()
+                return carry
+
+            jax.lax.fori_loop(0, g.pages_per_block, one_page, 0)
+        self.set_kv_pages(slot, total)
 
     def fetch_kv(self, s, i, k, slot):
-        """Start the page copies of KV step k of (sequence s, q block i) into ``slot``."""
+        """Start the page copies of KV step k of (sequence s, q block i) into ``slot``
+        (decode: of the group from s)."""
         g, r, meta = self.g, self.refs, self.meta
+        if g.decode:
+            self.fetch_kv_group(s, k, slot)
+            return
         info = meta.seq_info(s)
         q_start, q_len, kv_len, ctx, _ = info
         st = meta.qblock_steps(info, i)
         c0, nc, n0 = st.c0, st.nc, st.n0
         cached = k < nc
         blk = _select_lt(k, nc, c0 + k, n0 + k - nc)
-        limit = ctx if g.decode else _select_lt(k, nc, st.cached_limit, q_len)
+        limit = _select_lt(k, nc, st.cached_limit, q_len)
         npages = _cdiv(_max(0, _min(g.bkv, limit - blk * g.bkv)), g.ps)
-        # pages in flight into this slot (static addresses: see _Word)
-        r.cnt[_Word.KV_PAGES_0] = _select_lt(slot, 1, npages, r.cnt[_Word.KV_PAGES_0])
-        r.cnt[_Word.KV_PAGES_1] = _select_lt(slot, 1, r.cnt[_Word.KV_PAGES_1], npages)
+        self.set_kv_pages(slot, npages)
         sc = meta.clamp(s)
 
         def cached_page(p):
@@ -631,11 +702,8 @@ class _Dmas:
         def one_page(p, carry):
             @pl.when(p < npages)
             def _():
-                if g.decode:
-                    cached_page(p)
-                else:
-                    pl.when(cached)(functools.partial(cached_page, p))
-                    pl.when(jnp.logical_not(cached))(functools.partial(new_rows, p))
+                pl.when(cached)(functools.partial(cached_page, p))
+                pl.when(jnp.logical_not(cached))(functools.partial(new_rows, p))
             return carry
 
         jax.lax.fori_loop(0, g.pages_per_block, one_page, 0)
@@ -650,7 +718,7 @@ class _Dmas:
                 self.kv_page(r.cache_hbm.at[0], slot, p).wait()
             return carry
 
-        jax.lax.fori_loop(0, self.g.pages_per_block, one_page, 0)
+        jax.lax.fori_loop(0, self.g.nseq * self.g.pages_per_block, one_page, 0)
 
     def cache_update(self, s, info, do_wait: bool):
         """KV-cache update of sequence s: its new rows [ctx, kv_len) -> its pages, HBM ->
@@ -712,8 +780,8 @@ class _Attention:
     # 1 x 1024 causal prefill at (128, 512, 128, 256): 100.5k -> 88.3k estimated cycles;
     # Llama-3-8B 111.0k -> 108.4k).
     def _words_mode(self) -> bool:
-        # (one token per block, decode: its G rows are already the (G, Dp) slab)
-        return self.refs.q_buf.dtype == jnp.bfloat16 and self.g.G % 2 == 0 and self.g.bq > 1
+        # (decode: each token's G rows are already a (G, Dp) slab)
+        return self.refs.q_buf.dtype == jnp.bfloat16 and self.g.G % 2 == 0 and not self.g.decode
 
     def _buf_words(self, buf, slot):
         """``buf[slot]`` ((bq, heads, G, Dp) bf16) as uint32 word rows: a ref view when
@@ -734,6 +802,11 @@ class _Attention:
         dtype). Done once per q block; every step, chunk and row tile then reads its rows
         as one aligned 2-D slab."""
         g, r = self.g, self.refs
+        if g.decode:        # qh is (Hkv, nseq, G, Dp): sequence b's G rows are one slab
+            for h in range(g.Hkv):
+                for b in range(g.nseq):
+                    r.qh[h, b] = (r.q_buf[qslot, b, h].astype(jnp.float32) * g.q_fold).astype(r.qh.dtype)
+            return
         words_mode = self._words_mode()
         if words_mode:
             words, stride = self._buf_words(r.q_buf, qslot), r.q_buf.shape[2] * g.G // 2
@@ -743,9 +816,6 @@ class _Attention:
                 for j in range(g.G // 2):
                     heads += _f32_of_word_halves(
                         _strided_words(words, h * g.G // 2 + j, g.bq, stride, g.Dp, self.interpret))
-            elif g.bq == 1:
-                r.qh[h] = (r.q_buf[qslot, 0, h].astype(jnp.float32) * g.q_fold).astype(r.qh.dtype)
-                continue
             else:
                 q = r.q_buf[qslot, :, h].astype(jnp.float32)             # (bq, G, Dp)
                 heads = [q[:, j] for j in range(g.G)]
@@ -762,14 +832,17 @@ class _Attention:
     def scores(self, h, row, q_first, k, k_pos, key_end):
         """Masked scores (scaled by q_fold) of q rows [row, row + row_tile) of head h against
         k, whose keys are at ``k_pos`` (1, ckv); keys at ``key_end`` or later are masked
-        (``key_end`` None: none is)."""
+        (``key_end`` None: none is). Decode: ``row`` is the group's sequence, whose token
+        is at ``q_first``."""
         g, soft_cap = self.g, self.g.spec.soft_cap
-        q = self.refs.qh[h, pl.ds(row, g.row_tile)]
+        q = self.refs.qh[h, row] if g.decode else self.refs.qh[h, pl.ds(row, g.row_tile)]
         s = jax.lax.dot_general(q.astype(k.dtype), k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
         mask = None
-        if not g.decode or g.window:
+        if g.window:
+            q_pos = q_first if g.decode else self.q_pos(q_first, row)
+        elif not g.decode:
             q_pos = self.q_pos(q_first, row)
         if not g.decode:
             # causal and below key_end: one compare per score vreg, against the row's last
@@ -821,44 +894,41 @@ class _Attention:
     # rows pk*i .. pk*i + pk - 1 into word i, the first lowest; ``_strided_words``).
     # tests/test_kernel_interpret.py runs the interpreter's equivalent;
     # tests/test_kernel_deviceless.py checks the compiled path's Mosaic ops and shapes.
-    def kv_words(self, kvslot, x, kv_row):
-        """uint32 (ckv, Dp): word t = packed row ``kv_row`` of token t of chunk x."""
+    def kv_words(self, kvslot, x, kv_row, b=0):
+        """uint32 (ckv, Dp): word t = packed row ``kv_row`` of token t of chunk x (decode:
+        of the group's sequence b)."""
         g, kv_buf = self.g, self.refs.kv_buf
         bkv, ckv, Dp, buf_rows = g.bkv, g.ckv, g.Dp, g.buf_rows
+        n = g.nseq * bkv * buf_rows * g.pk
         if self.interpret:
-            words = pltpu.bitcast(kv_buf[kvslot].reshape(bkv * buf_rows * g.pk, Dp), jnp.uint32)
+            words = pltpu.bitcast(kv_buf[kvslot].reshape(n, Dp), jnp.uint32)
         else:
-            words = kv_buf.at[kvslot].reshape(bkv * buf_rows * g.pk, Dp).bitcast(jnp.uint32)
-        row0 = x * (ckv * buf_rows) + kv_row     # word row of packed row kv_row, token 0
+            words = kv_buf.at[kvslot].reshape(n, Dp).bitcast(jnp.uint32)
+        row0 = (b * bkv + x * ckv) * buf_rows + kv_row     # word row of packed row kv_row, token 0
         return _strided_words(words, row0, ckv, buf_rows, Dp, self.interpret)
 
-    def kv_of_head(self, kvslot, x, h: int, row_ok):
-        """bf16 (K, V) of head h in chunk x, unscaled (k_scale is folded into q, v_scale into
-        the output). bf16: V's rows not ``row_ok`` are zeroed (their bits may be a NaN); an
-        fp8 byte is never a NaN here (``_e4m3_bf16_bits``)."""
+    def kv_of_head(self, kvslot, x, h: int, row_ok, b=0):
+        """bf16 (K, V) of head h in chunk x (decode: of the group's sequence b), unscaled
+        (k_scale is folded into q, v_scale into the output). bf16: V's rows not ``row_ok``
+        are zeroed (their bits may be a NaN); an fp8 byte is never a NaN here
+        (``_e4m3_bf16_bits``)."""
         if self.g.pk == 2:
-            return _split_words(self.kv_words(kvslot, x, h), row_ok)
-        return _split_e4m3_words(self.kv_words(kvslot, x, h // 2), h % 2)
+            return _split_words(self.kv_words(kvslot, x, h, b), row_ok)
+        return _split_e4m3_words(self.kv_words(kvslot, x, h // 2, b), h % 2)
 
     def compute_step(self, info, i, k_step, kvslot, st: "_Steps"):
-        """Attend q block i of the sequence (``info``) to KV step k_step, in KV slot kvslot."""
-        g, r, spec = self.g, self.refs, self.g.spec
-        bq, bkv, ckv, G, Dp, Hkv, window = g.bq, g.bkv, g.ckv, g.G, g.Dp, g.Hkv, g.window
+        """Prefill / mixed: attend q block i of the sequence (``info``) to KV step k_step, in
+        KV slot kvslot."""
+        g, spec = self.g, self.g.spec
+        bq, bkv, ckv, Hkv, window = g.bq, g.bkv, g.ckv, g.Hkv, g.window
         q_start, q_len, kv_len, ctx, _ = info
         nc = st.nc
         blk = _select_lt(k_step, nc, st.c0 + k_step, st.n0 + k_step - nc)
         base = _select_lt(k_step, nc, blk * bkv, ctx + blk * bkv)       # position of row 0
         limit = _select_lt(k_step, nc, st.cached_limit, kv_len)         # first invalid position
-        if g.decode:        # with the new token when merged (place_new_token)
-            base, limit = blk * bkv, st.cached_limit
         q_first = ctx + i * bq
         q_hi = ctx + _min((i + 1) * bq, q_len)                 # one past last valid pos
         lo_pos = _max(0, q_first - window + 1) if window else 0
-
-        # Decode runs only the chunks that hold visible keys, [x_lo, x_hi), computed from
-        # the step's bounds, so the loop body has no branch.
-        x_hi = _min(g.n_chunks, _cdiv(_max(0, _min(limit, q_hi) - base), ckv))
-        x_lo = _min(x_hi, _div(_max(0, lo_pos - base), ckv)) if window else 0
 
         def chunk_keys(x, masked=True):
             """Positions of chunk x's keys (1, ckv), the position keys must be below (the
@@ -869,24 +939,6 @@ class _Attention:
                 return k_pos, None, None
             rows = start + jax.lax.broadcasted_iota(jnp.int32, (ckv, 1), 0)
             return k_pos, limit, rows < limit
-
-        def decode_chunk(x, state, masked=True):
-            """Decode: chunk x against every head; state = per head (m, l, acc)."""
-            k_pos, key_end, row_ok = chunk_keys(x, masked)
-            # Every head's scores and softmax are issued before any head's PV product. The
-            # MXU hands results back in issue order, so a PV issued right after its own
-            # head's scores leaves the MXU idle through that head's softmax. TPU7x, 16 x 2K
-            # decode, (1, 2048, 1, 1024): PV after the own head's scores 171k cycles, after
-            # the next head's 107k, three heads later 91k, after all heads 89k (v6e: 146k,
-            # 134k, 133k).
-            stats = []
-            for h, (m, l, _) in enumerate(state):
-                kk, vv = self.kv_of_head(kvslot, x, h, row_ok)
-                p, alpha, m, l = self.online_softmax(self.scores(h, 0, q_first, kk, k_pos, key_end), m, l)
-                stats.append((p, alpha, m, l, vv))
-            return tuple(
-                (m, l, _lanes(alpha, Dp) * acc + jnp.dot(p.astype(vv.dtype), vv, preferred_element_type=jnp.float32))
-                for (p, alpha, m, l, vv), (_, _, acc) in zip(stats, state))
 
         def chunk(x, carry):
             k_pos, key_end, row_ok = chunk_keys(x)
@@ -925,73 +977,133 @@ class _Attention:
             pending()
             return carry
 
-        if g.decode:
-            # The chunks wholly below the limit need no key mask and no V-row mask (their
-            # rows are all cached tokens); only the last one can be partial. The heads' m,
-            # l and acc (a few vregs each) are carried through the chunk loop as values and
-            # stored once per step.
-            x_full = _min(x_hi, _max(x_lo, _div(_max(0, limit - base), ckv)))
-            rows = pl.ds(0, G)
-            state = tuple((r.m[h, rows], r.l[h, rows], r.acc[h, rows]) for h in range(Hkv))
-            state = jax.lax.fori_loop(x_lo, x_full, functools.partial(decode_chunk, masked=False), state)
-            state = jax.lax.fori_loop(x_full, x_hi, decode_chunk, state)
-            for h, (m, l, acc) in enumerate(state):
-                r.m[h, rows], r.l[h, rows], r.acc[h, rows] = m, l, acc
-        else:
-            # Prefill / mixed: the chunks of a step are unrolled; each runs under a
-            # ``pl.when`` on whether it holds a visible key, so the chunks past the causal
-            # diagonal, past a cached step's valid tokens or before the window cost nothing
-            # (v6e, bq 128 / bkv 512 / ckv 256: a q block after 128 cached tokens 26.1k ->
-            # 17.2k cycles, a 512-token causal chunk 54.6k -> 46.1k, a q block after 4K of
-            # context 91.8k -> 89.0k). On TPU7x libtpu's static profiler aborts on that
-            # branch ("Cannot schedule FIFO push ... FIFO name: kErf", at a vexp2), as on a
-            # loop over the live range, so there every chunk is computed, masked
-            # (``TpuGeneration.skip_dead_chunks``).
-            for x in range(g.n_chunks):
-                if not spec.skip_dead_chunks:
-                    chunk(x, 0)
-                    continue
-                # a chunk is live when it holds a position below both the step's limit and
-                # the q block's last position (and, windowed, above the window's start)
-                live = base + x * ckv < _min(limit, q_hi)
-                if window:
-                    live = jnp.logical_and(live, base + (x + 1) * ckv > lo_pos)
-                pl.when(live)(functools.partial(_run_chunk, chunk, x))
+        # Prefill / mixed: the chunks of a step are unrolled; each runs under a
+        # ``pl.when`` on whether it holds a visible key, so the chunks past the causal
+        # diagonal, past a cached step's valid tokens or before the window cost nothing
+        # (v6e, bq 128 / bkv 512 / ckv 256: a q block after 128 cached tokens 26.1k ->
+        # 17.2k cycles, a 512-token causal chunk 54.6k -> 46.1k, a q block after 4K of
+        # context 91.8k -> 89.0k). On TPU7x libtpu's static profiler aborts on that
+        # branch ("Cannot schedule FIFO push ... FIFO name: kErf", at a vexp2), as on a
+        # loop over the live range, so there every chunk is computed, masked
+        # (``TpuGeneration.skip_dead_chunks``).
+        for x in range(g.n_chunks):
+            if not spec.skip_dead_chunks:
+                chunk(x, 0)
+                continue
+            # a chunk is live when it holds a position below both the step's limit and
+            # the q block's last position (and, windowed, above the window's start)
+            live = base + x * ckv < _min(limit, q_hi)
+            if window:
+                live = jnp.logical_and(live, base + (x + 1) * ckv > lo_pos)
+            pl.when(live)(functools.partial(_run_chunk, chunk, x))
 
-    def place_new_token(self, info, blk, kvslot, nslot):
-        """Decode, merged (``_Steps``): the sequence's own new token's K/V row
-        (``nkv_buf[nslot]``) into KV slot ``kvslot`` at its position, once the slot's
-        pages have landed, so the last step attends to it with the cached keys. (Its cache write is in flight meanwhile;
-        the page copies read only the cached positions.) Attending to it separately on the
-        VPU put a lane reduction and a second softmax update on every sequence's critical
-        path: v6e decode 8 x 128 tokens at (1, 128, 1, 128), 11,535 -> 10,481 estimated
-        cycles without it.)"""
+    def compute_group(self, group, k_step, kvslot):
+        """Decode: attend each sequence of the group to its KV step k_step, in KV slot
+        kvslot. ``group``: per sequence b, (info, steps, live) with ``live`` None (b = 0)
+        or 1 / 0 (the group's last may be short). Only the chunks that hold a visible
+        key of some sequence run, [x_lo, x_hi), computed from the steps' bounds, so the
+        loop body has no branch; every sequence's work on a chunk is in one body, so the
+        scheduler overlaps their dependent chains (a sequence with no visible key in a
+        chunk, a shorter one or one past the last, is computed with every key masked,
+        which leaves its state as it was: see ``reset_max``)."""
+        g, r = self.g, self.refs
+        ckv, Dp, Hkv, window, n_chunks = g.ckv, g.Dp, g.Hkv, g.window, g.n_chunks
+        seqs = []
+        for info, st, live in group:
+            ctx = info[3]                                    # the new token's position
+            base = (st.c0 + k_step) * g.bkv                  # position of row 0
+            limit = st.cached_limit          # with the new token when merged (place_new_token)
+            if g.nseq > 1:                   # a sequence with fewer steps sees nothing
+                limit = _select_lt(k_step, st.nc, limit, 0)
+            if live is not None:
+                limit = _select_lt(0, live, limit, 0)
+            lo_pos = _max(0, ctx - window + 1) if window else 0
+            x_hi = _min(n_chunks, _cdiv(_max(0, _min(limit, ctx + 1) - base), ckv))
+            x_lo = _min(x_hi, _div(_max(0, lo_pos - base), ckv)) if window else 0
+            # the chunks wholly below the limit need no key mask and no V-row mask (their
+            # rows are all cached tokens); only the last one can be partial
+            x_full = _min(x_hi, _max(x_lo, _div(_max(0, limit - base), ckv)))
+            seqs.append((ctx, base, limit, x_lo, x_hi, x_full))
+        _, _, _, x_lo, x_hi, x_full = seqs[0]
+        if len(seqs) > 1:
+            # (a sequence with no chunk to compute does not lower x_lo)
+            first = lambda lo, hi: _select_lt(lo, hi, lo, n_chunks)
+            x_lo = first(x_lo, x_hi) if window else 0
+            for _, _, _, lo_b, hi_b, full_b in seqs[1:]:
+                if window:
+                    x_lo = _min(x_lo, first(lo_b, hi_b))
+                x_hi, x_full = _max(x_hi, hi_b), _min(x_full, full_b)
+            x_lo = _min(x_lo, x_hi)
+            x_full = _min(x_hi, _max(x_lo, x_full))
+
+        def chunk(x, state, masked=True):
+            """Chunk x against every sequence and head; state = per (sequence, head) (m, l,
+            acc)."""
+            # Every head's scores and softmax are issued before any head's PV product. The
+            # MXU hands results back in issue order, so a PV issued right after its own
+            # head's scores leaves the MXU idle through that head's softmax. TPU7x, 16 x 2K
+            # decode, (1, 2048, 1, 1024): PV after the own head's scores 171k cycles, after
+            # the next head's 107k, three heads later 91k, after all heads 89k (v6e: 146k,
+            # 134k, 133k).
+            stats = []
+            for b, (ctx, base, limit, *_) in enumerate(seqs):
+                start = base + x * ckv
+                k_pos = start + jax.lax.broadcasted_iota(jnp.int32, (1, ckv), 1)
+                key_end = row_ok = None
+                if masked:
+                    key_end = limit
+                    row_ok = start + jax.lax.broadcasted_iota(jnp.int32, (ckv, 1), 0) < limit
+                for h in range(Hkv):
+                    m, l, _ = state[b * Hkv + h]
+                    kk, vv = self.kv_of_head(kvslot, x, h, row_ok, b)
+                    p, alpha, m, l = self.online_softmax(self.scores(h, b, ctx, kk, k_pos, key_end), m, l)
+                    stats.append((p, alpha, m, l, vv))
+            return tuple(
+                (m, l, _lanes(alpha, Dp) * acc + jnp.dot(p.astype(vv.dtype), vv, preferred_element_type=jnp.float32))
+                for (p, alpha, m, l, vv), (_, _, acc) in zip(stats, state))
+
+        # the heads' m, l and acc (a few vregs each) are carried through the chunk loop as
+        # values and stored once per step
+        state = tuple((r.m[h, b], r.l[h, b], r.acc[h, b]) for b in range(len(seqs)) for h in range(Hkv))
+        state = jax.lax.fori_loop(x_lo, x_full, functools.partial(chunk, masked=False), state)
+        state = jax.lax.fori_loop(x_full, x_hi, chunk, state)
+        for j, (m, l, acc) in enumerate(state):
+            b, h = divmod(j, Hkv)
+            r.m[h, b], r.l[h, b], r.acc[h, b] = m, l, acc
+
+    def place_new_token(self, info, blk, kvslot, nslot, b):
+        """Decode, merged (``_Steps``): the new token's K/V row of the group's sequence b
+        (``nkv_buf[nslot, b]``) into its block in KV slot ``kvslot``, at its position, once
+        the slot's pages have landed: the last step then attends to it with the cached
+        keys. Its cache write is in flight meanwhile; the page copies read only the cached
+        positions. Attending to it apart on the VPU put a lane reduction and a second
+        softmax update on every sequence's critical path (v6e decode 8 x 128 tokens at
+        (1, 128, 1, 128): 11,535 -> 10,591 estimated cycles)."""
         g, r = self.g, self.refs
         off = info[3] - blk * g.bkv                             # ctx: the new token's position
-        p, t = _div(off, g.ps), _rem(off, g.ps)
-        r.kv_buf[kvslot, p, t, pl.ds(0, g.spec.kv_rows)] = r.nkv_buf[nslot, 0]
+        p, t = b * g.pages_per_block + _div(off, g.ps), _rem(off, g.ps)
+        r.kv_buf[kvslot, p, t, pl.ds(0, g.spec.kv_rows)] = r.nkv_buf[nslot, b]
 
-    def decode_new_token(self, nslot):
-        """Decode, when the new token starts a block no step fetches (``_Steps``): attend
-        to it on the VPU."""
+    def decode_new_token(self, nslot, b):
+        """Decode, when the new token of the group's sequence b starts a block no step
+        fetches (``_Steps``): attend to it on the VPU."""
         g, r, spec = self.g, self.refs, self.g.spec
-        row = r.nkv_buf[nslot, 0].astype(jnp.float32)         # (kv_rows, pk, Dp)
-        grp = pl.ds(0, g.G)
+        row = r.nkv_buf[nslot, b].astype(jnp.float32)         # (kv_rows, pk, Dp)
         for h in range(g.Hkv):
             kv_row, j = divmod(2 * h, g.pk)
             kk = row[kv_row, j:j + 1, :]                       # (1, Dp)
             vv = row[kv_row, j + 1:j + 2, :]                   # unscaled, as the cache's V
-            q = r.qh[h, grp].astype(jnp.float32)
+            q = r.qh[h, b].astype(jnp.float32)
             s = jnp.sum(q * kk, axis=1, keepdims=True)                   # (G, 1), scaled
             if spec.soft_cap is not None:
                 s = spec.soft_cap * jnp.tanh(s / spec.soft_cap)
-            m_prev = r.m[h, grp]
+            m_prev = r.m[h, b]
             m_new = jnp.maximum(m_prev, s)                     # (G, 128)
             p = g.exp(s - m_new)
             alpha = g.exp(m_prev - m_new)
-            r.l[h, grp] = alpha * r.l[h, grp] + p
-            r.m[h, grp] = m_new
-            r.acc[h, grp] = _lanes(alpha, g.Dp) * r.acc[h, grp] + _lanes(p, g.Dp) * vv
+            r.l[h, b] = alpha * r.l[h, b] + p
+            r.m[h, b] = m_new
+            r.acc[h, b] = _lanes(alpha, g.Dp) * r.acc[h, b] + _lanes(p, g.Dp) * vv
 
     def finalize(self, oslot):
         """The output block: acc / l, times v_scale (every V entered the PV products
@@ -999,6 +1111,12 @@ class _Attention:
         g, r = self.g, self.refs
         v_scale = 1.0 if g.spec.v_scale is None else g.spec.v_scale
         cq, G = g.cq, g.G
+        if g.decode:        # acc / l / o_buf rows per (KV head, sequence): a (G, Dp) slab
+            for h in range(g.Hkv):
+                for b in range(g.nseq):
+                    out = r.acc[h, b] * _lanes(v_scale / r.l[h, b], g.Dp)
+                    r.o_buf[oslot, b, h] = out.astype(r.o_buf.dtype)
+            return
         words_mode = self._words_mode()
         if words_mode:
             words, stride = self._buf_words(r.o_buf, oslot), r.o_buf.shape[2] * G // 2
@@ -1009,9 +1127,6 @@ class _Attention:
             out = r.acc[h] * _lanes(v_scale / r.l[h], g.Dp)    # (bq * G, Dp), rows as load_q's
             head = lambda j: jnp.concatenate([out[(y * G + j) * cq:(y * G + j + 1) * cq] for y in range(g.n_qchunks)],
                                              axis=0)         # query head j: (bq, Dp)
-            if g.bq == 1:
-                r.o_buf[oslot, 0, h] = out.astype(r.o_buf.dtype)
-                continue
             if not words_mode:
                 r.o_buf[oslot, :, h] = jnp.stack([head(j) for j in range(G)], axis=1).astype(r.o_buf.dtype)
                 continue
@@ -1025,22 +1140,31 @@ class _Attention:
 
 def _pipeline(g: _Geometry, meta: _Metadata, dma: _Dmas, attn: _Attention, cnt):
     """Every sequence of the case through one double-buffered pipeline: a loop over the
-    sequences, a loop over each one's q blocks, a loop over each q block's KV steps. While
-    step k computes, step k + 1 (or the next q block's / sequence's first step) and the
-    next q block are being fetched; outputs are written back asynchronously, in order.
-    Analysis mode (static bounds) loops over each run of like sequences (same q and KV
-    length) instead, each run's metadata in closed form (``_Metadata``): the same bodies
-    and cross-sequence prefetch, every SMEM address and trip count known to the profiler.
-    Buffer slots and the output write in flight live in SMEM (``_Word``)."""
+    sequences (decode: over groups of ``nseq`` sequences, one q block), a loop over each
+    one's q blocks, a loop over each q block's KV steps. While step k computes, step k + 1
+    (or the next q block's / sequence's first step) and the next q block are being
+    fetched; outputs are written back asynchronously, in order. Analysis mode (static
+    bounds) loops over each run of like sequences (same q and KV length) instead, each
+    run's metadata in closed form (``_Metadata``): the same bodies and cross-sequence
+    prefetch, every SMEM address and trip count known to the profiler. Buffer slots and
+    the output writes in flight live in SMEM (``_Word``)."""
     seg_lo, seg_hi = meta.seq_range
+    nseq = g.nseq
 
     def seq_body(s, carry):
-        info = meta.seq_info(s)
+        # decode: the group of sequences from s (members), each with its info and, past
+        # the first, whether it exists (live: 1 / 0); prefill / mixed: s alone
+        members = meta.members(s)
+        infos = [meta.seq_info(seq) for _, seq, _ in members]
+        lives = [None] + [_select_lt(seq, seg_hi, 1, 0) for _, seq, _ in members[1:]]
+        info = infos[0]
         q_start, q_len, kv_len, ctx, nq = info
-        dma.cache_update(s, info, do_wait=False)
+        n_live = 1 if nseq == 1 else _min(nseq, seg_hi - s)
+        for (_, seq, valid), inf in zip(members, infos):
+            _when(valid, functools.partial(dma.cache_update, seq, inf, False))
 
         def qblock(i, carry2):
-            nxt_s = _select_lt(i + 1, nq, s, s + 1)       # last_q ? s + 1 : s
+            nxt_s = _select_lt(i + 1, nq, s, s + nseq)    # last_q ? next sequence / group : s
             nxt_i = _select_lt(i + 1, nq, i + 1, 0)       # last_q ? 0 : i + 1
             has_next = nxt_s < seg_hi
             qslot = cnt[_Word.Q_SLOT]
@@ -1049,11 +1173,14 @@ def _pipeline(g: _Geometry, meta: _Metadata, dma: _Dmas, attn: _Attention, cnt):
             def _():
                 dma.fetch_q(nxt_s, nxt_i, 1 - qslot)
 
-            dma.wait_q(qslot)
+            dma.wait_q(qslot, n_live)
             attn.load_q(qslot)
             attn.reset_max()
-            st = meta.qblock_steps(info, i)
+            sts = [meta.qblock_steps(inf, i) for inf in infos]
+            st = sts[0]
             nsteps = st.nc + st.nn
+            for st_b, live in zip(sts[1:], lives[1:]):
+                nsteps = _max(nsteps, _select_lt(0, live, st_b.nc, 1))
 
             def step(k, carry3):
                 kvslot = cnt[_Word.KV_SLOT]
@@ -1072,35 +1199,54 @@ def _pipeline(g: _Geometry, meta: _Metadata, dma: _Dmas, attn: _Attention, cnt):
                     dma.fetch_kv(nxt_s, nxt_i, 0, 1 - kvslot)
 
                 dma.wait_kv(kvslot)
-                if g.decode:
-                    pl.when(jnp.logical_and(last_step, st.merged == 1))(
-                        lambda: attn.place_new_token(info, st.c0 + k, kvslot, qslot))
-                attn.compute_step(info, i, k, kvslot, st)
+                if not g.decode:
+                    attn.compute_step(info, i, k, kvslot, st)
+                else:
+                    for b, (inf, st_b, live) in enumerate(zip(infos, sts, lives)):
+                        # the sequence's last step, when its block holds the new token
+                        last = jnp.logical_and(k + 1 >= nsteps if nseq == 1 else k + 1 == st_b.nc, st_b.merged == 1)
+                        if live is not None:
+                            last = jnp.logical_and(last, live == 1)
+                        pl.when(last)(functools.partial(attn.place_new_token, inf, st_b.c0 + k, kvslot, qslot, b))
+                    attn.compute_group(list(zip(infos, sts, lives)), k, kvslot)
                 cnt[_Word.KV_SLOT] = 1 - kvslot
                 return carry3
 
             jax.lax.fori_loop(0, nsteps, step, 0)
             if g.decode:
-                pl.when(st.merged == 0)(lambda: attn.decode_new_token(qslot))
+                for b, (st_b, live) in enumerate(zip(sts, lives)):
+                    apart = st_b.merged == 0
+                    if live is not None:
+                        apart = jnp.logical_and(apart, live == 1)
+                    pl.when(apart)(functools.partial(attn.decode_new_token, qslot, b))
             oslot = cnt[_Word.O_SLOT]
             attn.finalize(oslot)
-
-            @pl.when(cnt[_Word.O_PENDING] == 1)
-            def _():
-                dma.o_block(0, 0, 1 - oslot).wait()
-
-            dma.o_block(q_start, i, oslot).start()
-            cnt[_Word.O_PENDING] = 1
+            await_output(1 - oslot)
+            if not g.decode:
+                dma.o_block(q_start, i, oslot).start()
+            else:
+                for (b, _, valid), inf in zip(members, infos):
+                    _when(valid, lambda b=b, q0=inf[0]: dma.o_row(q0, oslot, b).start())
+            cnt[_Word.O_PENDING] = n_live
             cnt[_Word.O_SLOT] = 1 - oslot
             cnt[_Word.Q_SLOT] = 1 - qslot
             return carry2
 
         _loop(0, nq, qblock, 0, unroll_static=True)     # static: decode's 1
         if g.decode:
-            dma.cache_update(s, info, do_wait=True)
+            for (_, seq, valid), inf in zip(members, infos):
+                _when(valid, functools.partial(dma.cache_update, seq, inf, True))
         else:       # unless a merged step awaited it
             _when(meta.qblock_steps(info, 0).merged == 0, lambda: dma.cache_update(s, info, do_wait=True))
         return carry
+
+    def await_output(oslot):
+        """Await the output write in flight from ``oslot`` (decode: its O_PENDING rows)."""
+        if not g.decode:
+            pl.when(cnt[_Word.O_PENDING] == 1)(lambda: dma.o_block(0, 0, oslot).wait())
+            return
+        for b in range(nseq):
+            pl.when(cnt[_Word.O_PENDING] > b)(functools.partial(lambda b: dma.o_row(0, oslot, b).wait(), b))
 
     def run():
         attn.init_state()
@@ -1109,18 +1255,20 @@ def _pipeline(g: _Geometry, meta: _Metadata, dma: _Dmas, attn: _Attention, cnt):
         for w in (_Word.Q_SLOT, _Word.KV_SLOT, _Word.O_SLOT, _Word.O_PENDING):
             cnt[w] = 0
         if not meta.analysis:
-            jax.lax.fori_loop(seg_lo, seg_hi, seq_body, 0)
+            if nseq == 1:
+                jax.lax.fori_loop(seg_lo, seg_hi, seq_body, 0)
+            else:
+                jax.lax.fori_loop(0, _cdiv(seg_hi - seg_lo, nseq), lambda j, c: seq_body(seg_lo + j * nseq, c), 0)
         else:
-            for r0, r1 in _like_runs(seg_lo, seg_hi, meta.kv_lens_c, meta.cu_c):
+            for r0, r1 in _like_runs(seg_lo, seg_hi, meta.kv_lens_c, meta.cu_c, nseq):
                 meta.run = (r0, r1)
-                if r1 - r0 == 1:
+                if r1 - r0 <= nseq:
                     seq_body(r0, 0)
-                else:
+                elif nseq == 1:
                     jax.lax.fori_loop(r0, r1, seq_body, 0)
-
-        @pl.when(cnt[_Word.O_PENDING] == 1)
-        def _():
-            dma.o_block(0, 0, 1 - cnt[_Word.O_SLOT]).wait()
+                else:
+                    jax.lax.fori_loop(0, (r1 - r0) // nseq, lambda j, c, r0=r0: seq_body(r0 + j * nseq, c), 0)
+        await_output(1 - cnt[_Word.O_SLOT])
 
     _when(seg_lo < seg_hi, run)
 
@@ -1142,16 +1290,20 @@ def build_case_call(spec: KernelSpec, *, q_shape, q_dtype, newkv_shape, cache_sh
     bq, bkv, cq, ckv = spec.bs
     Hkv, G, Dp = spec.num_kv_heads, spec.group, spec.head_dim_p
     q_heads = q_buffer_heads(Hkv, G, q_dtype)
-    kv_block_shape = (bkv // spec.page_size, spec.page_size, kv_buffer_rows(spec.kv_rows), spec.kv_pack, Dp)
+    # decode: a q block is nseq = bq sequences' tokens, each with its own KV block and
+    # its rows of qh / acc / m / l as one (G, .) slab per (KV head, sequence)
+    nseq = bq if spec.case == Case.DECODE else 1
+    kv_block_shape = (nseq * bkv // spec.page_size, spec.page_size, kv_buffer_rows(spec.kv_rows), spec.kv_pack, Dp)
+    rows = (bq, G) if spec.case == Case.DECODE else (bq * G,)
     scratch = [
         pltpu.VMEM((2, bq, q_heads, G, Dp), q_dtype),              # q_buf (_Attention.load_q)
         pltpu.VMEM((2,) + kv_block_shape, cache_dtype),            # kv_buf
-        pltpu.VMEM((2, 1, spec.kv_rows, spec.kv_pack, Dp), cache_dtype),  # nkv_buf (decode)
+        pltpu.VMEM((2, nseq, spec.kv_rows, spec.kv_pack, Dp), cache_dtype),  # nkv_buf (decode)
         pltpu.VMEM((2, bq, q_heads, G, Dp), q_dtype),              # o_buf
-        pltpu.VMEM((Hkv, bq * G, Dp), jnp.bfloat16),               # qh (head-major q)
-        pltpu.VMEM((Hkv, bq * G, Dp), jnp.float32),                # acc
-        pltpu.VMEM((Hkv, bq * G, LANES), jnp.float32),             # m
-        pltpu.VMEM((Hkv, bq * G, LANES), jnp.float32),             # l
+        pltpu.VMEM((Hkv, *rows, Dp), jnp.bfloat16),                # qh (head-major q)
+        pltpu.VMEM((Hkv, *rows, Dp), jnp.float32),                 # acc
+        pltpu.VMEM((Hkv, *rows, LANES), jnp.float32),              # m
+        pltpu.VMEM((Hkv, *rows, LANES), jnp.float32),              # l
         pltpu.SMEM((_Word.COUNT,), jnp.int32),                     # slots / counters (_Word)
         pltpu.SMEM((2 * spec.max_num_seqs + 1 if spec.static_meta else 1,), jnp.int32),
         pltpu.SemaphoreType.DMA((_Sem.ROWS, 2)),

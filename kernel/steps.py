@@ -43,9 +43,9 @@ def plan(case: Case | str, bs: BlockSizes, page_size: int, q_len: int, kv_len: i
         c0 = lo // bkv
         nc = max(0, cdiv(ctx, bkv) - c0)
         cached_limit = ctx
-        if decode:      # merged: the last step's block holds the new token (kernel.rpa._Steps)
-            n0, nn, nc = 0, 0, max(1, nc)
-            cached_limit = ctx + int(ctx < (c0 + nc) * bkv)
+        if decode:
+            n0, nn = 0, 0
+            _, c0, nc, cached_limit = _decode_walk(ctx, bkv, sliding_window)
         else:
             n0 = max(0, lo - ctx) // bkv
             nn = max(1, cdiv(q_hi - ctx, bkv) - n0)
@@ -70,6 +70,56 @@ def plan(case: Case | str, bs: BlockSizes, page_size: int, q_len: int, kv_len: i
                 chunks = n_chunks
             steps.append(Step(cached, cdiv(valid, page_size), chunks))
         out.append(steps)
+    return out
+
+
+def _decode_walk(ctx: int, bkv: int, sliding_window: int | None) -> tuple[int, int, int, int]:
+    """A decode sequence's (window start, first block, steps, key limit): the limit is
+    ctx + 1 when the last step's block holds the new token (merged, kernel.rpa._Steps)."""
+    lo = max(0, ctx - sliding_window + 1) if sliding_window else 0
+    c0 = lo // bkv
+    nc = max(1, cdiv(ctx, bkv) - c0)
+    return lo, c0, nc, ctx + int(ctx < (c0 + nc) * bkv)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeStep:
+    pages: int       # page-sized DMAs issued (every sequence of the group)
+    chunks: int      # ckv chunks computed, summed over the group's sequences
+    first: bool      # the group's first step
+    partial: bool    # its last chunks run masked (some sequence's keys end inside one)
+
+
+def decode_steps(bs: BlockSizes, page_size: int, kv_lens, sliding_window: int | None = None) -> list[DecodeStep]:
+    """Decode's KV steps in kernel order, for sequences in groups of ``bq`` (``kernel.rpa``
+    ``fetch_kv_group`` / ``compute_group``): a group takes as many steps as its longest
+    sequence; each step fetches every sequence's pages of that step and computes the
+    chunk range that holds a visible key of some sequence, for every sequence."""
+    nseq, bkv, ckv = bs.bq, bs.bkv, bs.ckv
+    n_chunks = bkv // ckv
+    out = []
+    kv_lens = list(kv_lens)
+    for g0 in range(0, len(kv_lens), nseq):
+        seqs = []
+        for kv in kv_lens[g0:g0 + nseq]:
+            seqs.append((kv - 1, *_decode_walk(kv - 1, bkv, sliding_window)))
+        for k in range(max(s[3] for s in seqs)):
+            pages, lo_x, hi_x, full_x = 0, n_chunks, 0, n_chunks
+            for ctx, lo, c0, nc, limit in seqs:
+                base = (c0 + k) * bkv
+                pages += cdiv(max(0, min(bkv, ctx - base)), page_size)
+                lim = limit if k < nc else 0
+                x_hi = min(n_chunks, cdiv(max(0, min(lim, ctx + 1) - base), ckv))
+                x_lo = min(x_hi, max(0, lo - base) // ckv) if sliding_window else 0
+                full_x = min(full_x, min(x_hi, max(x_lo, max(0, lim - base) // ckv)))
+                if x_lo < x_hi or len(seqs) == 1:
+                    lo_x = min(lo_x, x_lo)
+                hi_x = max(hi_x, x_hi)
+            lo_x = min(lo_x, hi_x) if sliding_window else 0
+            if len(seqs) < nseq:        # a short last group: its empty places run masked
+                full_x = 0
+            full_x = min(hi_x, max(lo_x, full_x))
+            out.append(DecodeStep(pages, nseq * (hi_x - lo_x), k == 0, full_x < hi_x))
     return out
 
 

@@ -52,20 +52,24 @@ def q_buffer_heads(num_kv_heads: int, group: int, q_dtype) -> int:
 
 
 def scratch_bytes(bs: BlockSizes, *, num_kv_heads: int, group: int, head_dim: int, page_size: int,
-                  kv_rows: int, kv_pack: int, q_dtype, kv_dtype) -> int:
+                  kv_rows: int, kv_pack: int, q_dtype, kv_dtype, decode: bool = False) -> int:
+    """Scratch bytes of one case's kernel (``decode``: bq is its sequences per step, each
+    with its own KV block and new-token row)."""
     bq, bkv, cq, ckv = bs
+    nseq = bq if decode else 1
     Dp = round_up(head_dim, LANES)
     total = 0
     total += 2 * _bytes((2, bq, q_buffer_heads(num_kv_heads, group, q_dtype), group, Dp), q_dtype)  # q/o_buf
-    total += _bytes((2, bkv // page_size, page_size, kv_buffer_rows(kv_rows), kv_pack, Dp), kv_dtype)
-    total += _bytes((2, 1, kv_rows, kv_pack, Dp), kv_dtype)
-    total += _bytes((num_kv_heads, bq * group, Dp), np.float16)  # qh (bf16; same tiling as f16)
-    total += _bytes((num_kv_heads, bq * group, Dp), np.float32)             # acc
-    total += 2 * _bytes((num_kv_heads, bq * group, LANES), np.float32)      # m, l
+    total += _bytes((2, nseq * bkv // page_size, page_size, kv_buffer_rows(kv_rows), kv_pack, Dp), kv_dtype)
+    total += _bytes((2, nseq, kv_rows, kv_pack, Dp), kv_dtype)
+    rows = (bq, group) if decode else (bq * group,)
+    total += _bytes((num_kv_heads, *rows, Dp), np.float16)  # qh (bf16; same tiling as f16)
+    total += _bytes((num_kv_heads, *rows, Dp), np.float32)             # acc
+    total += 2 * _bytes((num_kv_heads, *rows, LANES), np.float32)      # m, l
     # one update's live f32 tiles: scores/probabilities (a row tile) and the K/V chunk
     total += 2 * round_up(min(cq * group, max(16, 64 * 8 * LANES // round_up(ckv, LANES))), 8) \
         * round_up(ckv, LANES) * 4
-    total += 2 * ckv * kv_pack * Dp * 4
+    total += 2 * ckv * kv_pack * Dp * 4 * nseq
     return total
 
 

@@ -354,7 +354,7 @@ def plan_sweep(spec: SweepSpec) -> Plan:
     keep, predicted = [], {}
     prefiltered = 0
     for bs in cands:
-        p = prefilter.predicted_bytes(spec.model, spec.limits, bs) if kern.is_ours else None
+        p = prefilter.predicted_bytes(spec.model, spec.limits, bs, spec.case) if kern.is_ours else None
         if p is not None and prefilter.rejects(p, spec.generation):
             prefiltered += 1
             continue

@@ -328,7 +328,8 @@ def _entry_vmem_limit(key: TuningKey, bs: BlockSizes, evaluated: int | None) -> 
     from kernel.api import default_case_vmem_limit
     default = default_case_vmem_limit(bs, generation=key.generation, num_q_heads=key.num_q_heads,
                                       num_kv_heads=key.num_kv_heads, head_dim=key.head_dim,
-                                      page_size=key.page_size, q_dtype=key.q_dtype, kv_dtype=key.kv_dtype)
+                                      page_size=key.page_size, q_dtype=key.q_dtype, kv_dtype=key.kv_dtype,
+                                      case=key.case)
     return None if evaluated == default else int(evaluated)
 
 

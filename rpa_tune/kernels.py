@@ -80,7 +80,13 @@ class TunedKernel:
         from kernel.config import block_size_errors
         if self.is_ours:
             return block_size_errors(Case.parse(case), bs, page_size)
-        return public_block_size_errors(bs, page_size)
+        errs = public_block_size_errors(bs, page_size)
+        if Case.parse(case) == Case.DECODE and bs.bq != 1:
+            # (a tuner rule, not the package's: its decode q block holds one sequence's
+            # tokens, so a larger one only pads; our decode's bq is sequences per step)
+            errs.append(f"bq={bs.bq}: the public kernel's decode q block holds one sequence's one token "
+                        f"(only bq == 1 is a candidate)")
+        return errs
 
     def heuristic(self, key: TuningKey, *, max_num_seqs: int = 128) -> BlockSizes | None:
         if self.is_ours:
@@ -120,7 +126,7 @@ def key_id(key: TuningKey, kernel: str) -> str:
 def public_block_size_errors(bs: BlockSizes, page_size: int) -> list[str]:
     """The block-size checks of tpu-inference's ``static_validate_inputs`` (0.32.0): ``bq %
     cq``, ``bkv % ckv``, ``bkv`` and ``ckv`` multiples of the page size. They are ours without
-    our decode-only rule (``bq == cq == 1``), so ours for a non-decode case state them
+    our decode-only rule (``bq == cq``, sequences per step), so ours for a non-decode case state them
     (``tests/test_public_backend.py`` checks them against the package)."""
     from kernel.config import block_size_errors
     return block_size_errors(Case.PREFILL, bs, page_size)

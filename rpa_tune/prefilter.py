@@ -23,13 +23,16 @@ from kernel.workload import ModelShape, ServingLimits
 SLACK = 1.10
 
 
-def predicted_bytes(model: ModelShape, limits: ServingLimits, bs: BlockSizes) -> int:
+def predicted_bytes(model: ModelShape, limits: ServingLimits, bs: BlockSizes, case=None) -> int:
+    """``case`` None: a prefill / mixed kernel's (decode with bq 1 has the same bytes)."""
+    from kernel.config import Case
     from kernel.vmem import scratch_bytes
     pk = kv_packing(model.kv_dtype)
     return int(scratch_bytes(BlockSizes.coerce(bs), num_kv_heads=model.num_kv_heads, group=model.group,
                              head_dim=model.head_dim, page_size=limits.page_size,
                              kv_rows=cdiv(2 * model.num_kv_heads, pk), kv_pack=pk,
-                             q_dtype=model.q_dtype, kv_dtype=model.kv_dtype))
+                             q_dtype=model.q_dtype, kv_dtype=model.kv_dtype,
+                             decode=case is not None and Case.parse(case) == Case.DECODE))
 
 
 def capacity(generation: str) -> int:

@@ -9,12 +9,12 @@ looks like::
     caps  = ["bkv <= round_up(max_model_len, page_size)"]   # size caps for every case
 
     [decode]
-    bq  = [1]
-    cq  = [1]
+    bq  = [1, 2, 4]                               # decode: sequences per KV step
+    cq  = [1, 2, 4]
     bkv = [128, 256, 512, 1024, 2048, 4096]
     ckv = [128, 256, 512, 1024]
-    rules = ["bq == 1", "cq == 1"]                # added to the top-level rules
-    caps  = ["bkv * kv_bytes_per_token <= 16 * MiB"]
+    rules = ["cq == bq"]                          # added to the top-level rules
+    caps  = ["bq * bkv * kv_bytes_per_token <= 16 * MiB"]
 
 Rules and caps are Python-like boolean expressions over the names listed in
 ``EXPRESSION_NAMES`` (block sizes, the problem's dimensions and the chip's VMEM), with

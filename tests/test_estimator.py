@@ -6,7 +6,7 @@ import os
 import pytest
 
 from kernel.config import BlockSizes, Case, cdiv
-from kernel.steps import features
+from kernel.steps import decode_steps, features
 from kernel.workload import ModelShape, ServingLimits, Workload
 from rpa_tune.estimator import audit, compose, profiler
 from rpa_tune.estimator.trace import TraceStats, parse_bundles
@@ -112,6 +112,8 @@ def _profile(case, w, bs, gen="v6e", model=LLAMA):
     # v5e's compiler rejected a select on bf16 V in the partial-chunk path (an LLO type
     # check in the analysis-mode compile): every decode probe of a config failed there
     ("decode", [1, 1, 1], [300, 1025, 77], BlockSizes(1, 512, 1, 256), "v5e"),
+    # groups of two sequences per step (kernel.steps.decode_steps), a short last group
+    ("decode", [1] * 5, [300, 1025, 77, 129, 513], BlockSizes(2, 512, 2, 512), "v6e"),
     ("prefill", [128], [128 + 640], BlockSizes(128, 512, 128, 256), "v6e"),
     # spec-decode rows whose new tokens are read with the last cached step's pages (1154:
     # they add a page to it)
@@ -125,6 +127,8 @@ def test_step_plan_matches_the_page_dmas_in_the_trace(case, q, kv, bs, gen):
     tr = TraceStats.from_json(r["trace"])
     f = features(case, bs, LIM.page_size, q, kv)
     assert tr.dma_issues.get("hbm_to_vmem", 0) == f["page_cached"] > 0
+    if case == "decode":
+        assert sum(st.pages for st in decode_steps(bs, LIM.page_size, kv)) == f["page_cached"]
     from rpa_tune.estimator.calibration import calibration
     a = audit.audit_trace(tr, audit.needed(w, LLAMA, case), calibration(gen))
     assert a.verdict == audit.COMPLETE, a.reasons

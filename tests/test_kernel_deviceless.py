@@ -25,6 +25,14 @@ def test_tpu7x_decode_split_fetch_compute_compiles():
     assert "rpa_decode_bq1_bkv2048_cq1_ckv512" in compiled.as_text()
 
 
+@pytest.mark.parametrize("tpu", ["v4", "v5e", "v5p", "v6e", "tpu7x"])
+def test_decode_groups_compile_every_generation(tpu):
+    """Decode with 2 sequences per KV step (bq = cq = 2: kernel/rpa.py compute_group; 4
+    of them at 128 tokens need 8.04 MB of scoped VMEM, past v4's default limit of 8 MB)."""
+    compiled = _compile(tpu, "decode", block_sizes={"decode": (2, 128, 2, 128)})
+    assert "rpa_decode_bq2_bkv128_cq2_ckv128" in compiled.as_text()
+
+
 def test_vmem_oom_is_reported_with_bytes():
     # a 16 MiB-per-buffer KV block on v4 (16 MiB VMEM) cannot fit
     with pytest.raises(Exception) as ei:

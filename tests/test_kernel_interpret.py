@@ -42,6 +42,16 @@ CASES = [
     ("decode-new-token-opens-a-block", GQA, SMALL, Workload.of_case("decode", [1] * 5, [65, 33, 64, 17, 1]),
      dict(d_block_sizes=(1, 32, 1, 16))),
     ("decode-mha-fetch-eq-compute", MHA, SMALL, decode_w(1, n=2), dict(d_block_sizes=(1, 32, 1, 32))),
+    # several sequences per step (bq = cq = sequences, kernel/rpa.py compute_group):
+    # members with different step counts, new tokens attended apart and in a step, a short
+    # last group, a group whose members run past max_num_seqs (6)
+    ("decode-groups-of-2", GQA, SMALL, Workload.of_case("decode", [1] * 5, [65, 33, 64, 17, 1]),
+     dict(d_block_sizes=(2, 32, 2, 16))),
+    ("decode-groups-of-4", MQA, SMALL, Workload.of_case("decode", [1] * 5, [200, 33, 1, 97, 40]),
+     dict(d_block_sizes=(4, 64, 4, 32))),
+    ("decode-groups-then-prefill-mixed", GQA, SMALL,
+     Workload.concat(decode_w(13, n=3), prefill_w(14, chunk=16, n=1), mixed_w(15, n=2)),
+     dict(d_block_sizes=(2, 32, 2, 32), p_block_sizes=(16, 32, 8, 16), m_block_sizes=(8, 48, 8, 16))),
     ("prefill-gqa", GQA, SMALL, prefill_w(2), dict(p_block_sizes=(16, 32, 8, 16))),
     ("prefill-bq-not-dividing", MQA, SMALL, prefill_w(3, chunk=21), dict(p_block_sizes=(8, 48, 4, 16))),
     ("prefill-no-context", MHA, SMALL, Workload.of_case("prefill", [40, 40], [40, 40]),
@@ -102,6 +112,20 @@ def test_sliding_window(window):
     w = Workload.concat(decode_w(30, n=2), prefill_w(31, chunk=20, n=1), mixed_w(32, n=2))
     run_and_check(GQA, SMALL, w, sm_scale=0.1, sliding_window=window, d_block_sizes=(1, 32, 1, 16),
                   p_block_sizes=(8, 32, 8, 16), m_block_sizes=(8, 32, 4, 16))
+
+
+@pytest.mark.parametrize("window", [7, 40])
+def test_sliding_window_decode_groups(window):
+    """Sequences of one decode step whose windows start in different chunks (one's first
+    visible chunk is below another's window)."""
+    w = Workload.of_case("decode", [1] * 4, [150, 20, 90, 41])
+    run_and_check(GQA, SMALL, w, sm_scale=0.1, sliding_window=window, d_block_sizes=(2, 32, 2, 16))
+
+
+def test_fp8_decode_groups():
+    w = Workload.of_case("decode", [1] * 3, [100, 31, 64])
+    run_and_check(FP8, SMALL, w, sm_scale=0.088, k_scale=0.5, v_scale=0.25, d_block_sizes=(2, 32, 2, 16),
+                  atol=3e-2, rtol=3e-2)
 
 
 def test_soft_cap():

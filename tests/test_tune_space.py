@@ -29,20 +29,25 @@ def test_shipped_spaces_are_legal_and_deterministic(gen):
                 assert bs.bkv % LIMITS.page_size == 0 and bs.ckv % LIMITS.page_size == 0
                 assert bs.bq <= LIMITS.max_num_tokens
                 assert bs.bkv <= LIMITS.max_model_len
-                if case == Case.DECODE:
-                    assert bs.bq == 1 and bs.cq == 1
+                if case == Case.DECODE:     # sequences per step; groups only for short blocks
+                    assert bs.bq == bs.cq and (bs.bq == 1 or bs.bq * bs.bkv <= 4096)
 
 
 def test_default_decode_space_llama_v6e():
-    """The bare sweep's space: bkv 128..4096 x ckv 128..1024 (page multiples), 18 configs,
-    most of them splitting fetch (bkv) from compute (ckv)."""
+    """The bare sweep's space: one sequence per step at bkv 128..4096 x ckv 128..1024 (page
+    multiples), 18 configs, most of them splitting fetch (bkv) from compute (ckv); and 11
+    groups of 2, 4 or 8 short sequences per step (bkv = ckv, bq * bkv <= 4096)."""
     en = enumerate_space(load_space("v6e").for_case("decode"), context(LLAMA, LIMITS, "v6e"))
-    assert len(en.candidates) == 18
-    assert {bs.bkv for bs in en.candidates} == {128, 256, 512, 1024, 2048, 4096}
-    assert {bs.ckv for bs in en.candidates} == {128, 256, 512, 1024}
-    assert sum(bs.bkv != bs.ckv for bs in en.candidates) == 14
+    single = [bs for bs in en.candidates if bs.bq == 1]
+    groups = [bs for bs in en.candidates if bs.bq > 1]
+    assert len(single) == 18 and len(groups) == 11
+    assert {bs.bkv for bs in single} == {128, 256, 512, 1024, 2048, 4096}
+    assert {bs.ckv for bs in single} == {128, 256, 512, 1024}
+    assert sum(bs.bkv != bs.ckv for bs in single) == 14
+    assert {bs.bq for bs in groups} == {2, 4, 8}
+    assert all(bs.bkv == bs.ckv and bs.bq * bs.bkv <= 4096 for bs in groups)
     # the size caps are what stop bkv at 4096 (16 MiB of merged K+V per block)
-    assert en.reasons.get("bkv * kv_bytes_per_token <= 16 * MiB", 0) > 0
+    assert en.reasons.get("bq * bkv * kv_bytes_per_token <= 16 * MiB", 0) > 0
 
 
 def test_caps_scale_with_the_shape():

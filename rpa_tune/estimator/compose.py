@@ -27,7 +27,7 @@ import threading
 import numpy as np
 
 from kernel.config import BlockSizes, Case, cdiv, round_up
-from kernel.steps import FEATURES, features, plan
+from kernel.steps import FEATURES, decode_steps, features
 from kernel.workload import Workload
 
 
@@ -41,8 +41,9 @@ class Probe:
 
 
 def probes(case: Case | str, bs: BlockSizes, page_size: int, skip_dead_chunks: bool = True) -> list[Probe]:
-    """The probe workloads of one config. Decode: eight batches of 4-8 sequences (one page,
-    a part step, three pages, one full step, two full steps), enough steps for the pipeline
+    """The probe workloads of one config. Decode: eight batches of 4-8 sequences, or of
+    4-8 groups of ``bq`` sequences (one page, a part step, three pages, one full step, two
+    full steps), enough steps for the pipeline
     to reach its steady state, where a step costs the larger of its compute and its page
     DMAs (``pipeline_cycles``); their KV lengths end on step boundaries, the new token
     included (both kernels attend to it in their last step, ``pipeline_steps``). Prefill /
@@ -56,6 +57,7 @@ def probes(case: Case | str, bs: BlockSizes, page_size: int, skip_dead_chunks: b
         shapes = [(4, P), (8, P), (4, min(part, bkv)), (4, mid), (4, bkv), (8, bkv), (4, 2 * bkv), (5, 2 * bkv)]
         seen, out = set(), []
         for n, ctx in shapes:
+            n *= bq         # groups of bq sequences (kernel.steps.decode_steps)
             if (n, ctx) not in seen:
                 seen.add((n, ctx))
                 out.append(Probe((1,) * n, (ctx,) * n))
@@ -79,35 +81,29 @@ PIPELINE_PARAMS = ("call", "seq", "step", "chunk", "partial", "dma_step", "dma_p
 def pipeline_steps(bs: BlockSizes, page_size: int, kv_lens, sliding_window=None,
                    walk_new: bool = False) -> list[tuple[int, int, bool, bool]]:
     """Decode's KV steps in kernel order: (pages fetched, chunks computed, first of its
-    sequence, ends in a partial chunk). The kernel runs the chunks wholly below the context
-    end unmasked and a partial last chunk masked, in a loop of its own.
+    sequence or group, ends in a partial chunk). The kernel runs the chunks wholly below the
+    context end unmasked and a partial last chunk masked, in a loop of its own.
 
-    Ours (``kernel.steps.plan``) fetches the ``kv_len - 1`` cached tokens' pages, and
-    computes the new token with the last step's keys unless it starts a block of its own
-    (then on the VPU, apart). ``walk_new``: tpu-inference's RPA v3, whose KV steps read all
-    ``kv_len`` tokens (a block filled from the cache, then from the new-KV array; lowered
-    with write-back off, all from the cache), so a new token that starts a block is a
-    step of its own."""
+    Ours: ``kernel.steps.decode_steps`` (the ``kv_len - 1`` cached tokens' pages; the new
+    token computed with the last step's keys unless it starts a block of its own, then on
+    the VPU, apart; sequences in groups of ``bq``). ``walk_new``: tpu-inference's RPA v3,
+    one sequence at a time, whose KV steps read all ``kv_len`` tokens (a block filled from
+    the cache, then from the new-KV array; lowered with write-back off, all from the
+    cache), so a new token that starts a block is a step of its own."""
+    if not walk_new:
+        return [(st.pages, st.chunks, st.first, st.partial)
+                for st in decode_steps(bs, page_size, kv_lens, sliding_window)]
     out = []
     bkv, ckv = bs.bkv, bs.ckv
     for kv in kv_lens:
-        ctx = kv - 1
-        if walk_new:
-            lo = max(0, kv - sliding_window + 1) if sliding_window else 0
-            c0 = lo // bkv
-            for i in range(max(1, cdiv(kv, bkv) - c0)):
-                base = (c0 + i) * bkv
-                valid = max(0, min(bkv, kv - base))
-                x_hi = min(bkv // ckv, cdiv(valid, ckv))
-                x_lo = min(x_hi, max(0, lo - base) // ckv) if sliding_window else 0
-                out.append((cdiv(valid, page_size), x_hi - x_lo, i == 0, valid % ckv != 0))
-            continue
-        c0 = max(0, ctx - sliding_window + 1) // bkv if sliding_window else 0
-        steps = plan(Case.DECODE, bs, page_size, 1, kv, sliding_window)[0]
-        limit = ctx + int(ctx < (c0 + len(steps)) * bkv)          # with the new token when merged
-        for i, st in enumerate(steps):
-            valid = min((c0 + i + 1) * bkv, limit) - (c0 + i) * bkv
-            out.append((st.pages, st.chunks, i == 0, valid % ckv != 0))
+        lo = max(0, kv - sliding_window + 1) if sliding_window else 0
+        c0 = lo // bkv
+        for i in range(max(1, cdiv(kv, bkv) - c0)):
+            base = (c0 + i) * bkv
+            valid = max(0, min(bkv, kv - base))
+            x_hi = min(bkv // ckv, cdiv(valid, ckv))
+            x_lo = min(x_hi, max(0, lo - base) // ckv) if sliding_window else 0
+            out.append((cdiv(valid, page_size), x_hi - x_lo, i == 0, valid % ckv != 0))
     return out
 
 

@@ -53,7 +53,7 @@ class CompileEvaluator(Evaluator):
         if kern.is_ours:
             predicted = task.vmem_predicted_bytes
             if predicted is None:
-                predicted = prefilter.predicted_bytes(task.model, task.limits, task.bs)
+                predicted = prefilter.predicted_bytes(task.model, task.limits, task.bs, task.case)
             limit = base.initial_vmem_limit(predicted, cap)
         else:
             limit = cap // 2

@@ -190,7 +190,7 @@ class TpuEvaluator(Evaluator):
             return EvalResult(base.COMPILE_ERROR, self.method, device_kind=dev.device_kind,
                               message=f"this TPU is {here} ({dev.device_kind}), the task is for {task.generation}")
         cap = int(tpu_info(task.generation).vmem_capacity_bytes)
-        predicted = task.vmem_predicted_bytes or prefilter.predicted_bytes(task.model, task.limits, task.bs)
+        predicted = task.vmem_predicted_bytes or prefilter.predicted_bytes(task.model, task.limits, task.bs, task.case)
         limit = base.initial_vmem_limit(predicted, cap)
         inp = make_inputs(task.model, task.limits, task.workload, seed=task.seed)
         order = ("queries", "keys", "values", "kv_cache", "kv_lens", "page_indices", "cu_q_lens", "distribution")
