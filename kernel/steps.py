@@ -55,7 +55,7 @@ def plan(case: Case | str, bs: BlockSizes, page_size: int, q_len: int, kv_len: i
         for k in range(nc + nn):
             cached = k < nc
             blk = c0 + k if cached else n0 + k - nc
-            limit = ctx if decode else cached_limit if cached else q_len
+            limit = ctx if decode else cached_limit if cached else q_hi - ctx
             valid = max(0, min(bkv, limit - blk * bkv))
             base = blk * bkv if (cached or decode) else ctx + blk * bkv    # position of row 0
             if decode:
@@ -63,7 +63,7 @@ def plan(case: Case | str, bs: BlockSizes, page_size: int, q_len: int, kv_len: i
                 x_lo = min(x_hi, max(0, lo - base) // ckv) if sliding_window else 0
                 chunks = x_hi - x_lo
             elif skip_dead_chunks:
-                hi = min(cached_limit if cached else kv_len, q_hi)      # first position no query sees
+                hi = min(cached_limit, q_hi) if cached else q_hi       # first position no query sees
                 chunks = sum(1 for x in range(n_chunks)
                              if base + x * ckv < hi and (not sliding_window or base + (x + 1) * ckv > lo))
             else:
