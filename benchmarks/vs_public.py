@@ -16,8 +16,11 @@ Method (the same for both kernels; whole compiles of the large workloads do not 
 memory for every kernel and generation, so each workload is built from compiles of its
 pieces by a rule stated here and checked where a whole compile fits):
 
-* decode, n identical sequences: whole compiles of 8 and 16 sequences (one and two
-  steps' worth of groups of up to 8), extrapolated linearly in n (``c(n) = c8 + (n - 8) (c16 - c8) / 8``). Checked against whole 128-sequence
+* decode, n identical sequences: whole compiles of 8 and 16 sequences (ours' decode
+  groups of bq sequences per step: of 8 and 16 groups, 8 bq and 16 bq sequences; from 8
+  and 16 sequences, a group of 8 was one static body against a loop of two, and v5e 128 x
+  128 at (8, 128, 8, 128) extrapolated to 85k cycles against 123k compiled whole),
+  extrapolated linearly in n (``c(n) = c8 + (n - 8) (c16 - c8) / 8``). Checked against whole 128-sequence
   compiles in the ``--check`` rows.
 * causal prefill, one sequence of L tokens: a whole compile for L <= 1024; longer ones
   from whole compiles of 256, 512 and 1024 tokens, fitted as ``a + b (q blocks) + c (KV
@@ -347,8 +350,9 @@ def _combine(recs: list[dict], cycles_fn) -> Estimate:
 
 
 def decode_estimate(kernel, gen, bs, page, n, L, variant: Variant = BASE) -> Estimate:
-    recs = [piece(kernel, gen, Case.DECODE, bs, page, [1] * m, [L] * m, variant) for m in (8, 16)]
-    return _combine(recs, lambda c: c[0] + (n - 8) * (c[1] - c[0]) / 8)
+    ms = (8 * bs.bq, 16 * bs.bq)      # 8 and 16 steps' sequences (bq > 1: ours' decode groups)
+    recs = [piece(kernel, gen, Case.DECODE, bs, page, [1] * m, [L] * m, variant) for m in ms]
+    return _combine(recs, lambda c: c[0] + (n - ms[0]) * (c[1] - c[0]) / (ms[1] - ms[0]))
 
 
 WHOLE_PREFILL = (256, 512, 1024)   # causal sequences compiled whole (both kernels fit in memory)

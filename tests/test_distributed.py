@@ -112,16 +112,16 @@ def test_two_workers_share_one_sweep(kind, tmp_path, request):
     (counted in the evaluator, not only in rows); the rows of both workers' results stores
     are the space; the storage holds the same rows; status and export read them."""
     url = storage_url(kind, tmp_path, request)
-    args = SWEEP + ["--case", "decode", "--search", "grid", "--jobs", "1", "--storage", url]
+    args = SWEEP + ["--case", "decode", "--budget", "100", "--search", "grid", "--jobs", "1", "--storage", url]
     ps = [start(args + ["--results", str(tmp_path / f"res{i}")], env_for(tmp_path, f"w{i}", RPA_TUNE_FAKE_DELAY="0.3"),
                 f"w{i}", tmp_path) for i in (1, 2)]
     for i, p in enumerate(ps, 1):
         rc, out, err = finish(p, f"w{i}", tmp_path)
         assert rc == 0, err[-3000:]
-        assert "18 of 18 configs done by 2 worker(s)" in out, out[-2000:]
+        assert "29 of 29 configs done by 2 worker(s)" in out, out[-2000:]
     evaluated = logged(tmp_path, "w1") + logged(tmp_path, "w2")
     want = planned_labels()
-    assert len(want) == 18
+    assert len(want) == 29
     assert sorted(evaluated) == sorted(want), "every config evaluated exactly once across the workers"
     a, b = store_rows(tmp_path / "res1"), store_rows(tmp_path / "res2")
     assert len(a) and len(b), "both workers took part"
@@ -133,7 +133,7 @@ def test_two_workers_share_one_sweep(kind, tmp_path, request):
     stored = rows_from_storage(url)
     assert sorted(r["config_id"] for r in stored) == sorted(set(a.config_id) | set(b.config_id))
     mixed = read_results([url, str(tmp_path / "res1"), str(tmp_path / "res2")])
-    assert len(mixed) == 18 and mixed.config_id.is_unique, "a row in a store and in the storage is kept once"
+    assert len(mixed) == 29 and mixed.config_id.is_unique, "a row in a store and in the storage is kept once"
     from_dirs = build_tables(read_results([tmp_path / "res1", tmp_path / "res2"]))[0]
     from_url = build_tables(read_results([url]))[0]
     assert from_url["v6e"].entries == from_dirs["v6e"].entries
@@ -143,11 +143,11 @@ def test_two_workers_share_one_sweep(kind, tmp_path, request):
     st = run(["status", "--storage", url, "--json"], env)
     assert st.returncode == 0, st.stderr
     (s,) = json.loads(st.stdout)
-    assert (s["done"], s["total"], s["running"], s["left"], s["given_back"]) == (18, 18, 0, 0, 0)
+    assert (s["done"], s["total"], s["running"], s["left"], s["given_back"]) == (29, 29, 0, 0, 0)
     assert s["best"]["block_sizes"] == [1, 1024, 1, 256] and len(s["workers"]) == 2
     if kind == "postgres":     # the commands themselves
         table = run(["status", "--storage", url], env)
-        assert table.returncode == 0 and "18/18" in table.stdout and "(1, 1024, 1, 256)" in table.stdout
+        assert table.returncode == 0 and "29/29" in table.stdout and "(1, 1024, 1, 256)" in table.stdout
         out = tmp_path / "tables"
         ex = run(["export", "--results", url, "--results", str(tmp_path / "res1"), "--out", str(out)], env)
         assert ex.returncode == 0, ex.stderr
@@ -165,7 +165,7 @@ def test_kill_9_worker_its_config_is_redone_once(kind, tmp_path, request):
     worker gets the config back and evaluates it once; nothing the killed worker finished
     is lost or evaluated again."""
     url = storage_url(kind, tmp_path, request)
-    args = SWEEP + ["--case", "decode", "--search", "grid", "--storage", url]
+    args = SWEEP + ["--case", "decode", "--budget", "100", "--search", "grid", "--storage", url]
     a = start(args + ["--jobs", "2", "--results", str(tmp_path / "resA")],
               env_for(tmp_path, "A", RPA_TUNE_FAKE_DELAY="0.3", RPA_TUNE_FAKE_BEHAVIOUR=f"{HEURISTIC}=hang"),
               "A", tmp_path)
@@ -200,15 +200,15 @@ def test_kill_9_worker_its_config_is_redone_once(kind, tmp_path, request):
     assert {r["config_id"] for r in stored} >= set(rows_a.config_id), "nothing A finished is lost"
     st = run(["status", "--storage", url, "--json"], env_for(tmp_path, "status"))
     (s,) = json.loads(st.stdout)
-    assert (s["done"], s["running"], s["left"]) == (18, 0, 0)
+    assert (s["done"], s["running"], s["left"]) == (29, 0, 0)
     # A held up to --jobs 2 claims: those it was evaluating, and maybe one claimed but not yet started
     assert len(in_flight) <= s["given_back"] <= 2
-    assert len({r["config_id"] for r in stored}) == len(stored) == 18
+    assert len({r["config_id"] for r in stored}) == len(stored) == 29
 
 
 def test_a_worker_with_another_kernel_hash_or_space_refuses_to_join(tmp_path):
     url = f"sqlite:///{tmp_path / 'study.db'}"
-    args = SWEEP + ["--case", "decode", "--search", "grid", "--jobs", "2", "--storage", url]
+    args = SWEEP + ["--case", "decode", "--budget", "100", "--search", "grid", "--jobs", "2", "--storage", url]
     first = run(args + ["--results", str(tmp_path / "res")], env_for(tmp_path, "first"))
     assert first.returncode == 0, first.stderr
     r = run(args + ["--results", str(tmp_path / "other")], env_for(tmp_path, "x", RPA_TUNE_KERNEL_HASH="edited"))
@@ -314,7 +314,7 @@ def test_ctrl_c_gives_the_claimed_config_back_at_once(tmp_path):
     """Ctrl-C (SIGINT) of a worker: its claimed configs go back to the study at once (no
     waiting for --grace); the next worker evaluates them."""
     url = f"sqlite:///{tmp_path / 'study.db'}"
-    args = ["sweep", "--tpu", "v6e", "--backend", "compile", "--case", "decode", "--search", "grid", "--jobs", "1",
+    args = ["sweep", "--tpu", "v6e", "--backend", "compile", "--case", "decode", "--budget", "100", "--search", "grid", "--jobs", "1",
             "--grace", "600", "--storage", url]
     a = start(args + ["--results", str(tmp_path / "resA")],
               env_for(tmp_path, "A", RPA_TUNE_FAKE_BEHAVIOUR=f"{HEURISTIC}=hang"), "A", tmp_path)
@@ -328,7 +328,7 @@ def test_ctrl_c_gives_the_claimed_config_back_at_once(tmp_path):
         a.kill()
     assert rc == 130, err[-2000:]
     st = json.loads(run(["status", "--storage", url, "--json"], env_for(tmp_path, "s")).stdout)[0]
-    assert (st["done"], st["running"], st["waiting"], st["given_back"]) == (0, 0, 18, 1)
+    assert (st["done"], st["running"], st["waiting"], st["given_back"]) == (0, 0, 29, 1)
     t0 = time.monotonic()
     b = run(args + ["--results", str(tmp_path / "resB")], env_for(tmp_path, "B"))
     assert b.returncode == 0 and time.monotonic() - t0 < 60, b.stderr[-2000:]
@@ -364,7 +364,7 @@ def test_storage_lost_mid_sweep_is_one_line(tmp_path):
     line (exit 1) naming the storage, and what it finished stays in its --results."""
     if find_pg_bin() is None:
         pytest.skip("PostgreSQL binaries (initdb, postgres) not installed: scripts/setup.sh installs postgresql")
-    args = SWEEP + ["--case", "decode", "--search", "grid", "--jobs", "1", "--results", str(tmp_path / "res")]
+    args = SWEEP + ["--case", "decode", "--budget", "100", "--search", "grid", "--jobs", "1", "--results", str(tmp_path / "res")]
     with postgres_server() as base:
         url = create_database(base, "lost")
         p = start(args + ["--storage", url], env_for(tmp_path, "L", RPA_TUNE_FAKE_DELAY="0.4"), "L", tmp_path)

@@ -89,7 +89,7 @@ FP8 = ModelShape(8, 2, 128, kv_dtype="float8_e4m3fn")
 
 
 @pytest.mark.parametrize("kwargs", [
-    dict(k_scale=0.5, v_scale=0.25),
+    pytest.param(dict(k_scale=0.5, v_scale=0.25), marks=pytest.mark.slow),
     dict(k_scale=0.5, v_scale=2.0, q_scale=0.1),
 ], ids=["kv-scales", "q-k-v-scales"])
 def test_fp8_kv(kwargs):
@@ -107,7 +107,7 @@ def test_fp8_mqa_odd_heads():
                   d_block_sizes=(1, 32, 1, 32), m_block_sizes=(8, 32, 8, 16), atol=3e-2, rtol=3e-2)
 
 
-@pytest.mark.parametrize("window", [1, 7, 40])
+@pytest.mark.parametrize("window", [1, pytest.param(7, marks=pytest.mark.slow), 40])
 def test_sliding_window(window):
     w = Workload.concat(decode_w(30, n=2), prefill_w(31, chunk=20, n=1), mixed_w(32, n=2))
     run_and_check(GQA, SMALL, w, sm_scale=0.1, sliding_window=window, d_block_sizes=(1, 32, 1, 16),
@@ -140,8 +140,10 @@ def test_heuristic_block_sizes_run():
     run_and_check(ModelShape(8, 2, 128), SMALL, w, sm_scale=0.1)
 
 
-@pytest.mark.parametrize("generation", ["v6e", "tpu7x"])
-@pytest.mark.parametrize("window", [None, 20])
+# (two of the four run by default, one per generation and window: the suite's time)
+@pytest.mark.parametrize("generation,window", [
+    ("v6e", None), ("tpu7x", 20),
+    pytest.param("v6e", 20, marks=pytest.mark.slow), pytest.param("tpu7x", None, marks=pytest.mark.slow)])
 def test_dead_chunks_skipped_or_computed_give_the_same_attention(generation, window, monkeypatch):
     """Prefill / mixed skip the chunks with no visible key (past the causal diagonal, past a
     cached step's valid tokens, before the window) except on TPU7x, where every chunk is
@@ -210,8 +212,9 @@ def test_fp8_to_bf16_bits_is_exact_for_every_byte(byte):
     np.testing.assert_array_equal(np.abs(got[~finite]), [480.0, 480.0])
 
 
-@pytest.mark.parametrize("generation", ["v6e", "tpu7x"])
-@pytest.mark.parametrize("window", [None, 40])
+@pytest.mark.parametrize("generation,window", [
+    ("v6e", None), ("tpu7x", 40),
+    pytest.param("v6e", 40, marks=pytest.mark.slow), pytest.param("tpu7x", None, marks=pytest.mark.slow)])
 def test_new_tokens_merged_into_the_last_cached_step(generation, window, monkeypatch):
     """Few new tokens that fit in the last cached step's block are read from the cache once
     its update has landed, in that step (no step of their own); those that straddle a

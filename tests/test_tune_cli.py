@@ -98,7 +98,7 @@ def test_dry_run_plans_without_writing(tmp_path):
     res = tmp_path / "results"
     r = run(["sweep", "--tpu", "v6e", "--case", "decode", "--dry-run", "--results", str(res)], env={"COLUMNS": "200"})
     assert r.returncode == 0, r.stderr
-    assert "18 candidates of 48" in r.stderr and "(1, 4096, 1, 1024)" in r.stdout
+    assert "29 candidates of 768" in r.stderr and "(1, 4096, 1, 1024)" in r.stdout
     assert not res.exists()
 
 
@@ -112,7 +112,7 @@ def fake_results(tmp_path_factory):
     r = run(["sweep", "--tpu", "v6e", "--case", "decode", "--model", "llama3-70b-tp8", "--backend", "compile",
              "--search", "grid", "--budget", "100", "--results", str(res)], env=env)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "27 evaluated" in r.stdout and "best (1, 1024, 1, 256)" in r.stdout
+    assert "39 evaluated" in r.stdout and "best (1, 1024, 1, 256)" in r.stdout
     return res, env
 
 
@@ -120,7 +120,7 @@ def test_show_prints_winners(fake_results):
     res, env = fake_results
     r = run(["show", "--results", str(res)], env=env)
     assert r.returncode == 0, r.stderr
-    assert "(1, 1024, 1, 256)" in r.stdout and "ok 27" in r.stdout and "x3.50" in r.stdout
+    assert "(1, 1024, 1, 256)" in r.stdout and "ok 39" in r.stdout and "x3.50" in r.stdout
     # an estimate says its audit verdict and the clock that made it a time
     assert "complete" in r.stdout and "1.500 GHz (fake clock)" in r.stdout
     r = run(["show", "--results", str(res), "--top", "3"], env=env)
@@ -181,17 +181,17 @@ def test_multi_bucket_sweep_json_plain_progress_and_show_json(tmp_path):
     doc = json.loads(r.stdout)
     assert [d["key"]["max_num_tokens"] for d in doc] == [64, 128]
     for d in doc:
-        assert d["evaluated"] == 27 and d["counts"] == {"ok": 27}
+        assert d["evaluated"] == 39 and d["counts"] == {"ok": 39}
         assert d["best"]["block_sizes"] == [1, 1024, 1, 256]          # tune_fakes' minimum
     lines = [l for l in r.stderr.splitlines() if "] config " in l]
-    assert sum("config 27/27" in l for l in lines) == 2, r.stderr[-2000:]
+    assert sum("config 39/39" in l for l in lines) == 2, r.stderr[-2000:]
     assert all(" ok " in l and "best (" in l for l in lines)
     assert "\x1b[" not in r.stderr                                  # no live display codes in a log
     shown = run(["show", "--results", str(res), "--json"], env=env)
     assert shown.returncode == 0, shown.stderr
     groups = json.loads(shown.stdout)
     assert sorted(g["key"]["max_num_tokens"] for g in groups) == [64, 128]
-    assert all(g["configs"][0]["block_sizes"] == [1, 1024, 1, 256] and g["counts"] == {"ok": 27} for g in groups)
+    assert all(g["configs"][0]["block_sizes"] == [1, 1024, 1, 256] and g["counts"] == {"ok": 39} for g in groups)
     none = run(["show", "--results", str(res), "--json", "--tpu", "v5e"], env=env)
     assert none.returncode == 1 and json.loads(none.stdout) == []
 
@@ -244,7 +244,7 @@ def test_sliding_window_sweep_tunes_the_window_key_and_export_ships_it(tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     df = pd.read_parquet(res)
     sw = df[df["sliding_window"]]
-    assert len(sw) == 27 and len(df) == 54 and set(sw["status"]) == {"ok"}
+    assert len(sw) == 39 and len(df) == 78 and set(sw["status"]) == {"ok"}
     assert set(sw["message"]) == {"fake estimate (sliding_window=512)"}
     assert set(df[~df["sliding_window"]]["message"]) == {"fake estimate (sliding_window=None)"}
     assert all("sliding window 512" in w for w in sw["workload"])

@@ -61,14 +61,14 @@ def test_crash_hang_error_oom_are_recorded_and_the_sweep_goes_on(fake, monkeypat
     assert time.monotonic() - t0 < 90
     df = store.read()
     n = len(plan_sweep(s).candidates)
-    assert n == 18 and len(df) == n and o.evaluated == n
-    by = {(r.bkv, r.ckv): r for r in df.itertuples()}
+    assert n == 29 and len(df) == n and o.evaluated == n
+    by = {(r.bkv, r.ckv): r for r in df.itertuples() if r.bq == 1}      # (the fakes name bq 1 configs)
     assert by[(256, 128)].status == "crash" and "signal 6" in by[(256, 128)].message
     assert by[(128, 128)].status == "crash" and "exit code 3" in by[(128, 128)].message
     assert by[(512, 128)].status == "timeout" and "--timeout 3" in by[(512, 128)].message
     assert by[(2048, 256)].status == "compile_error" and "fake evaluator failure" in by[(2048, 256)].message
     assert by[(4096, 512)].status == "vmem_oom" and by[(4096, 512)].vmem_reported_bytes == 123 << 20
-    assert o.counts == {"ok": 13, "vmem_oom": 1, "compile_error": 1, "timeout": 1, "wrong_result": 0, "crash": 2}
+    assert o.counts == {"ok": 24, "vmem_oom": 1, "compile_error": 1, "timeout": 1, "wrong_result": 0, "crash": 2}
     assert (o.best["bkv"], o.best["ckv"]) == (1024, 256)
     assert df[df.status != "ok"].metric.isna().all(), "failed configs carry no metric"
     # provenance on every row
@@ -84,11 +84,11 @@ def test_resume_skips_everything_recorded_and_retry_reruns_a_status(fake, monkey
     monkeypatch.setenv("RPA_TUNE_FAKE_BEHAVIOUR", "bq1_bkv512_cq1_ckv128=oom")
     store = ResultStore(tmp_path / "res")
     first = run_sweep(spec(), store)
-    assert first.evaluated == 18 and first.resumed == 0
+    assert first.evaluated == 29 and first.resumed == 0
     again = run_sweep(spec(), store)
-    assert again.evaluated == 0 and again.resumed == 18
+    assert again.evaluated == 0 and again.resumed == 29
     assert (again.best["bkv"], again.best["ckv"]) == (first.best["bkv"], first.best["ckv"])
-    assert len(evaluated(fake)) == 18
+    assert len(evaluated(fake)) == 29
     monkeypatch.delenv("RPA_TUNE_FAKE_BEHAVIOUR")
     retried = run_sweep(spec(retry=("vmem_oom",)), store)
     assert retried.evaluated == 1 and evaluated(fake)[-1] == "bq1_bkv512_cq1_ckv128"
@@ -145,7 +145,7 @@ def test_kill_9_of_a_real_sweep_then_resume(fake, tmp_path):
     res = tmp_path / "res"
     env = dict(os.environ, RPA_TUNE_FAKE_DELAY="0.7")
     cmd = [RPA_TUNE, "sweep", "--tpu", "v6e", "--case", "decode", "--backend", "compile", "--search", "grid",
-           "--jobs", "2", "--results", str(res)]
+           "--jobs", "2", "--budget", "100", "--results", str(res)]
     p = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and len(list(res.glob("*.parquet"))) < 5:
@@ -157,16 +157,16 @@ def test_kill_9_of_a_real_sweep_then_resume(fake, tmp_path):
     p.wait(timeout=30)
     before = ResultStore(res).read()
     done_before = set(before.config_id)
-    assert 5 <= len(before) < 18
+    assert 5 <= len(before) < 29
     assert not _workers_still_running(workers, 30), "workers die with the killed sweep"
     n_eval_before = len(evaluated(fake))
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     after = ResultStore(res).read()
-    assert len(after) == 18 and after.config_id.is_unique, "every config exactly once"
+    assert len(after) == 29 and after.config_id.is_unique, "every config exactly once"
     assert done_before <= set(after.config_id), "nothing recorded before the kill was lost"
     redone = evaluated(fake)[n_eval_before:]
-    assert len(redone) == 18 - len(done_before), "finished configs were not evaluated again"
+    assert len(redone) == 29 - len(done_before), "finished configs were not evaluated again"
     assert f"{len(done_before)} already recorded" in r.stdout
     best = after[after.status == "ok"].sort_values("metric").iloc[0]
     assert (best.bkv, best.ckv) == (1024, 256)
