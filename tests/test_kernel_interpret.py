@@ -114,7 +114,7 @@ def test_sliding_window(window):
                   p_block_sizes=(8, 32, 8, 16), m_block_sizes=(8, 32, 4, 16))
 
 
-@pytest.mark.parametrize("window", [7, 40])
+@pytest.mark.parametrize("window", [pytest.param(7, marks=pytest.mark.slow), 40])
 def test_sliding_window_decode_groups(window):
     """Sequences of one decode step whose windows start in different chunks (one's first
     visible chunk is below another's window)."""
