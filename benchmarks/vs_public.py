@@ -16,12 +16,12 @@ Method (the same for both kernels; whole compiles of the large workloads do not 
 memory for every kernel and generation, so each workload is built from compiles of its
 pieces by a rule stated here and checked where a whole compile fits):
 
-* decode, n identical sequences: whole compiles of 8 and 16 sequences (ours' decode
-  groups of bq sequences per step: of 8 and 16 groups, 8 bq and 16 bq sequences; from 8
-  and 16 sequences, a group of 8 was one static body against a loop of two, and v5e 128 x
-  128 at (8, 128, 8, 128) extrapolated to 85k cycles against 123k compiled whole),
-  extrapolated linearly in n (``c(n) = c8 + (n - 8) (c16 - c8) / 8``). Checked against whole 128-sequence
-  compiles in the ``--check`` rows.
+* decode, n identical sequences: whole compiles of a = 8 and b = 16 sequences (ours' decode
+  groups of bq sequences per step: of 8 and 16 groups, a = 8 bq and b = 16 bq sequences;
+  from 8 and 16 sequences, a group of 8 was one static body against a loop of two, and
+  v5e 128 x 128 at (8, 128, 8, 128) extrapolated to 85k cycles against 123k compiled
+  whole), extrapolated linearly in n (``c(n) = c_a + (n - a) (c_b - c_a) / (b - a)``).
+  Checked against whole 128-sequence compiles in the ``--check`` rows.
 * causal prefill, one sequence of L tokens: a whole compile for L <= 1024; longer ones
   from whole compiles of 256, 512 and 1024 tokens, fitted as ``a + b (q blocks) + c (KV
   steps)`` (the items of a causal sequence, ``causal_items``) and extrapolated. Checked
