@@ -432,7 +432,13 @@ class Session:
 
     def fail_stale(self, force: bool = False) -> None:
         """Fail RUNNING trials whose worker stopped beating; each is added back as WAITING
-        (at most ``MAX_RETRY`` times). Checks at most once per heartbeat interval."""
+        (at most ``MAX_RETRY`` times). Checks at most once per heartbeat interval.
+
+        A worker marks a trial as owned (the "owned" attribute, the trial's own id: a retried
+        trial inherits its failed attempt's attributes) after its first beat (``_own``). A
+        trial taken by a worker that died before that beat has no heartbeat at all, and
+        Optuna's stale check (RDB storages) passes over such a trial for ever: an unowned
+        RUNNING trial is stale once --grace has passed since it started."""
         now = time.monotonic()
         if not force and now - self._last_stale_check < self.heartbeat:
             return
@@ -444,14 +450,15 @@ class Session:
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore", self.optuna.exceptions.ExperimentalWarning)
                     self.optuna.storages.fail_stale_trials(self.study)
-                return
             now = time.time()
             TS = self.optuna.trial.TrialState
             for t in self.study.get_trials(deepcopy=False, states=(TS.RUNNING,)):
                 if t._trial_id in self.inflight:
                     continue
+                if self.rdb and t.user_attrs.get("owned") == t._trial_id:
+                    continue                     # it has Optuna heartbeats: checked above
                 start = t.datetime_start.timestamp() if t.datetime_start else 0.0
-                last = max(float(t.user_attrs.get("heartbeat") or 0.0), start)
+                last = start if self.rdb else max(float(t.user_attrs.get("heartbeat") or 0.0), start)
                 if now - last <= self.grace:
                     continue
                 try:
@@ -507,11 +514,12 @@ class Session:
 
     def _own(self, trial, number: int) -> None:
         tid = trial._trial_id
-        self.storage.set_trial_user_attr(tid, "worker", self.worker)
         with self._lock:
             self.inflight[tid] = _bs_of(trial)
             self.numbers[tid] = number
-        self._beat(tid)
+        self._beat(tid)          # first: an owned trial has a heartbeat (fail_stale)
+        self.storage.set_trial_user_attr(tid, "worker", self.worker)
+        self.storage.set_trial_user_attr(tid, "owned", tid)
 
     def _pop_waiting(self):
         TS = self.optuna.trial.TrialState

@@ -3,4 +3,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec .venv/bin/python -m pytest -q -m "not slow" "$@"
+# Two workers: most of the time is single-threaded interpret-mode kernels and deviceless
+# compiles (see tests/conftest.py for the modules kept on one worker).
+exec .venv/bin/python -m pytest -q -m "not slow" -n 2 --dist loadgroup "$@"

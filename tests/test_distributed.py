@@ -359,6 +359,41 @@ def test_a_worker_dead_after_recording_its_row_is_not_redone(tmp_path, monkeypat
     assert {json.loads(t.user_attrs["row"])["config_id"] for t in done} == {"c1", "c2"}
 
 
+@pytest.mark.parametrize("kind", ["sqlite", "journal"])
+def test_a_worker_dead_before_its_first_heartbeat_gives_its_config_back(kind, tmp_path, monkeypatch):
+    """A worker killed between taking a trial and its first heartbeat leaves it RUNNING with
+    no heartbeat, which Optuna's stale check (RDB storages) passes over: once --grace has
+    passed since the trial started, another worker fails it and gets its config; a trial
+    its owner beats for is left alone."""
+    from rpa_tune.distributed import Session, _bs_of, open_storage
+    from rpa_tune.engine import sweep_context
+    import optuna
+    monkeypatch.setenv("RPA_TUNE_KERNEL_HASH", "dist-test")
+    spec = make_spec()
+    plan, ctx = plan_sweep(spec), sweep_context(spec)
+    url = f"sqlite:///{tmp_path / 'study.db'}" if kind == "sqlite" else str(tmp_path / "study.journal")
+    session = lambda: Session(open_storage(url, heartbeat=1, grace=2), spec, plan, ctx, where=url,
+                              heartbeat=1, grace=1)
+    dead, owner, live = session(), session(), session()
+    orphan = dead._pop_waiting()                 # taken; the worker dies before _own's beat
+    owned_tid, owned_bs = owner.claim()          # taken and beaten for once
+    RUNNING = optuna.trial.TrialState.RUNNING
+    state = lambda tid: live.storage.get_trial(tid).state
+    live.fail_stale(force=True)
+    assert state(orphan._trial_id) == RUNNING, "not stale before --grace"
+    time.sleep(1.3)                               # past --grace
+    owner._beat(owned_tid)                        # as its heartbeat thread does
+    live.fail_stale(force=True)
+    assert state(orphan._trial_id) == optuna.trial.TrialState.FAIL
+    assert state(owned_tid) == RUNNING, "a trial with a fresh heartbeat stays with its owner"
+    got = []
+    while (c := live.claim()) is not None:
+        got.append(c[1])
+        live.finish(c[0], {"status": "ok", "metric": 1e-4, "config_id": c[1].label()})
+    assert _bs_of(orphan) in got and owned_bs not in got
+    assert sorted(b.label() for b in got) == sorted(planned_labels() - {owned_bs.label()})
+
+
 def test_storage_lost_mid_sweep_is_one_line(tmp_path):
     """The PostgreSQL server goes away while a worker evaluates: the worker stops with one
     line (exit 1) naming the storage, and what it finished stays in its --results."""

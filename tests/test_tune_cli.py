@@ -203,7 +203,9 @@ def test_doctor_lists_table_files_with_counts_and_kernel_match(tmp_path):
     doc = good.to_dict()
     doc["entries"].append(dict(doc["entries"][0], key=dict(doc["entries"][0]["key"], sliding_window="no")))
     (tmp_path / "mine.json").write_text(json.dumps(doc))
-    r = run(["doctor", "--quick"], env={"RPA_TABLE": str(tmp_path / "mine.json"), "RPA_SHIPPED_TABLES": "1"})
+    # wide enough for the paths in one cell line (a test worker's tmp_path is long)
+    r = run(["doctor", "--quick"], env={"RPA_TABLE": str(tmp_path / "mine.json"), "RPA_SHIPPED_TABLES": "1",
+                                        "COLUMNS": "1000"})
     assert r.returncode == 0, r.stderr
     out = " ".join(r.stdout.split())
     assert f"{tmp_path / 'mine.json'}: ok: 1 entries, 1 rejected; all match this kernel" in out
