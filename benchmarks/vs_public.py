@@ -92,7 +92,7 @@ MODEL = ModelShape(32, 8, 128)      # Llama-3-8B: 32 q / 8 KV heads, head_dim 12
 KERNELS = {"ours": compose.OURS, "public": "rpa_tune.estimator.public:lower"}
 CANDIDATES = {
     Case.DECODE: [BlockSizes(1, 512, 1, 512), BlockSizes(1, 1024, 1, 1024), BlockSizes(1, 2048, 1, 1024)],
-    Case.PREFILL: [BlockSizes(128, 512, 128, 256), BlockSizes(256, 1024, 128, 512)],
+    Case.PREFILL: [BlockSizes(128, 512, 128, 256), BlockSizes(256, 1024, 128, 512), BlockSizes(256, 256, 128, 256)],
     Case.MIXED: [BlockSizes(64, 512, 64, 256), BlockSizes(128, 512, 64, 256)],
 }
 DECODE_LENS = (512, 2048, 8192)

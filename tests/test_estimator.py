@@ -95,6 +95,24 @@ def test_time_model_rejects_an_impossible_rate():
     assert slow["rate_ok"] and slow["active_bound"] == "estimate" and slow["mbu"] < 0.01
 
 
+def test_mfu_is_against_the_peak_a_head_dim_can_fill_as_the_paper_defines_it():
+    """The RPA paper's MFU (section 4.2.1): FLOPs / time over the bf16 peak times the MXU share
+    a head_dim-deep contraction fills: 50 % for head_dim 128 on 256-wide MXUs (v6e), all of
+    it on 128-wide ones (v5e) or for head_dim 256. At the compute bound it is the profiler's
+    K=128 rate over that share, never above 100 %."""
+    from kernel import metrics
+    from kernel.hardware import tpu_info
+    from rpa_tune.estimator.calibration import calibration
+    w = Workload.of_case("prefill", [4096], [4096])
+    for gen, model, share in (("v6e", LLAMA, 0.5), ("v5e", LLAMA, 1.0), ("v6e", ModelShape(16, 8, 256), 1.0)):
+        t = audit.time_model(1e6, w, model, gen, "prefill")
+        raw = metrics.flops(w, model, "prefill") / t["time_s"] / tpu_info(gen).bf16_ops_per_second
+        assert t["mfu_of_peak"] == pytest.approx(raw) and t["mfu"] == pytest.approx(raw / share)
+    fast = audit.time_model(1.0, w, LLAMA, "v6e", "prefill")        # at the compute bound
+    assert fast["active_bound"] == "compute"
+    assert fast["mfu"] == pytest.approx(calibration("v6e").k128_fraction_of_peak / 0.5) and fast["mfu"] <= 1.0
+
+
 def _request(case, w, bs, gen="v6e", model=LLAMA) -> dict:
     return dict(workload=dict(q_lens=list(w.q_lens), kv_lens=list(w.kv_lens), distribution=list(w.distribution)),
                 block_sizes=list(bs), tpu=gen, model=dataclasses.asdict(model), limits=dataclasses.asdict(LIM),

@@ -24,7 +24,8 @@ trace (``trace.TraceStats``) against what the workload needs (``needed``):
 A trace failing any check is ``incomplete`` (the reasons say which); its result row says
 so, and ranking / export never let it win silently. ``time_model`` turns cycles into a
 time: ``max(cycles / clock, bytes / HBM BW, FLOPs / achievable MXU peak)``, with the
-active bound, MBU and MFU from that time.
+active bound, MBU and MFU from that time (MFU as the RPA paper defines it: against the
+peak times the MXU share a head_dim-deep contraction fills, ``max_mxu_utilization``).
 """
 from __future__ import annotations
 
@@ -129,10 +130,20 @@ def achievable_mxu_flops(generation: str, head_dim: int, cal) -> float:
     return tpu_info(generation).bf16_ops_per_second * frac
 
 
+def max_mxu_utilization(head_dim: int, cal) -> float:
+    """The RPA paper's cap on MXU utilization for a head_dim (its section 4.2.1): the share of
+    the MXU's contraction depth a head_dim-deep contraction fills (head_dim 128 on a 256-wide
+    MXU: 50 %). The paper's MFU is against the peak times this cap."""
+    return min(1.0, head_dim / cal.mxu_column_size)
+
+
 def time_model(cycles: float, workload: Workload, model: ModelShape, generation: str, case=None,
                sliding_window: int | None = None, cal=None) -> dict:
-    """Time from cycles at the calibrated clock, the roofline bounds, which is active, MBU /
-    MFU (MFU against the plain bf16 peak, as the RPA paper reports it), and the rate check."""
+    """Time from cycles at the calibrated clock, the roofline bounds, which is active, MBU,
+    MFU as the RPA paper defines it (against the bf16 peak times ``max_mxu_utilization``;
+    ``mfu_of_peak``: against the plain peak), and the rate check. The FLOPs are the visible
+    pairs' (``kernel.metrics.flops``); the paper's causal count also takes the masked part
+    of the diagonal's compute blocks, so this MFU is the stricter one."""
     from kernel.hardware import tpu_info
     from .calibration import calibration
     cal = cal or calibration(generation)
@@ -147,7 +158,9 @@ def time_model(cycles: float, workload: Workload, model: ModelShape, generation:
     return dict(cycles=float(cycles), estimate_s=est_s, memory_bound_s=mem_s, compute_bound_s=cmp_s,
                 time_s=time_s, active_bound=bound, hbm_bytes=need.hbm_bytes, flops=need.flops,
                 mbu=need.hbm_bytes / time_s / info.mem_bw_bytes_per_second if time_s else 0.0,
-                mfu=need.flops / time_s / info.bf16_ops_per_second if time_s else 0.0,
+                mfu=need.flops / time_s / (info.bf16_ops_per_second * max_mxu_utilization(model.head_dim, cal))
+                if time_s else 0.0,
+                mfu_of_peak=need.flops / time_s / info.bf16_ops_per_second if time_s else 0.0,
                 clock_hz=cal.clock_hz, clock_source=cal.clock_source, rate_ok=rate_ok,
                 rate_note="" if rate_ok else (
                     f"cycles imply {max(mem_s, cmp_s) / est_s:.2f}x the "
