@@ -4,5 +4,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 # Two workers: most of the time is single-threaded interpret-mode kernels and deviceless
-# compiles (see tests/conftest.py for the modules kept on one worker).
-exec .venv/bin/python -m pytest -q -m "not slow" -n 2 --dist loadgroup "$@"
+# compiles. A module-scoped fixture is built once per worker that runs its module's tests.
+exec .venv/bin/python -m pytest -q -m "not slow" -n 2 "$@"
