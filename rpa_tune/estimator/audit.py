@@ -153,14 +153,13 @@ def time_model(cycles: float, workload: Workload, model: ModelShape, generation:
     mem_s = need.hbm_bytes / info.mem_bw_bytes_per_second
     cmp_s = need.flops / achievable_mxu_flops(generation, model.head_dim, cal)
     time_s = max(est_s, mem_s, cmp_s)
+    mfu_of_peak = need.flops / time_s / info.bf16_ops_per_second if time_s else 0.0
     bound = "estimate" if time_s == est_s else ("memory" if time_s == mem_s else "compute")
     rate_ok = est_s * RATE_TOLERANCE >= max(mem_s, cmp_s)
     return dict(cycles=float(cycles), estimate_s=est_s, memory_bound_s=mem_s, compute_bound_s=cmp_s,
                 time_s=time_s, active_bound=bound, hbm_bytes=need.hbm_bytes, flops=need.flops,
                 mbu=need.hbm_bytes / time_s / info.mem_bw_bytes_per_second if time_s else 0.0,
-                mfu=need.flops / time_s / (info.bf16_ops_per_second * max_mxu_utilization(model.head_dim, cal))
-                if time_s else 0.0,
-                mfu_of_peak=need.flops / time_s / info.bf16_ops_per_second if time_s else 0.0,
+                mfu=mfu_of_peak / max_mxu_utilization(model.head_dim, cal), mfu_of_peak=mfu_of_peak,
                 clock_hz=cal.clock_hz, clock_source=cal.clock_source, rate_ok=rate_ok,
                 rate_note="" if rate_ok else (
                     f"cycles imply {max(mem_s, cmp_s) / est_s:.2f}x the "
