@@ -10,8 +10,11 @@ Definitions (RPA paper, section 4):
   ``n * dk * [(ctx + 1) * 2 * hkv + 2 * hq] * bytes``.
 * FLOPs: ``4 * Hq * D`` per (query, visible key) pair (QK^T and PV), counting only the
   causal / sliding-window visible pairs.
-* MBU = (bytes / time) / peak HBM bandwidth; MFU = (FLOPs / time) / peak bf16 FLOP/s (as
-  the paper reports it: its 73 % for head_dim 128 on TPU7x is above a 50 % cap).
+* MBU = (bytes / time) / peak HBM bandwidth. MFU, as the paper defines it (section
+  4.2.1), = (FLOPs / time) / (peak bf16 FLOP/s x the largest MXU utilisation the
+  head_dim allows, min(1, head_dim / MXU width)): 50 % of the plain peak for head_dim 128
+  on 256-wide MXUs, which is how it can report 73 %. This module only counts the work;
+  ``rpa_tune.estimator.audit.time_model`` reports both that MFU and the plain-peak one.
 
 Turning profiler cycles into a time (the calibrated clock, the roofline and the audit)
 is the estimator's job: ``rpa_tune.estimator.audit.time_model``.

@@ -506,3 +506,49 @@ def test_analysis_mode_loops_over_runs_of_like_sequences():
         assert len({(w.q_lens[s], w.kv_lens[s]) for s in range(a, b)}) == 1
     for (a, _), (c, _) in zip(runs, runs[1:]):
         assert (w.q_lens[a], w.kv_lens[a]) != (w.q_lens[c], w.kv_lens[c])
+
+
+def test_every_token_bucket_of_a_config_shares_its_probes(monkeypatch, tmp_path):
+    """The probes are compiled at one bucket per config, whatever the key's: a second
+    bucket of the same config reads the first one's probes from the cache."""
+    seen = []
+
+    def fake_profile(builder, req, **kw):
+        seen.append(req["limits"]["max_num_tokens"])
+        return {"status": "ok", "cycles": 1000 + sum(req["workload"]["kv_lens"]), "trace": {}, "max_rss_bytes": 1}
+
+    _probe_with(monkeypatch, tmp_path, fake_profile)
+    bs = BlockSizes(512, 1024, 128, 256)
+    runs = []
+    for t in (128, 8192):
+        lim = ServingLimits(page_size=128, max_num_tokens=t, max_num_seqs=128, max_model_len=8192)
+        runs.append(compose.probe_config(builder=compose.OURS, case="prefill", bs=bs, tpu="v6e",
+                                         model=dataclasses.asdict(LLAMA), limits=dataclasses.asdict(lim)))
+        if t == 128:
+            first = list(seen)
+    plist = compose.probes("prefill", bs, 128)
+    assert len(first) == len(plist) == len(seen)        # the second bucket compiled nothing
+    assert set(first) == {compose.probe_tokens(plist)} == {2048}
+    assert runs[0]["model"] == runs[1]["model"]
+    # a config whose largest probe holds more tokens than the default bucket gets a bigger one
+    assert compose.probe_tokens([compose.Probe((1500, 1500), (1500, 1500))]) == 4096
+
+
+@pytest.mark.parametrize("gen,case,bs,q,kv", [
+    ("v5e", "decode", BlockSizes(1, 256, 1, 128), [1] * 4, [300] * 4),
+    ("v6e", "prefill", BlockSizes(64, 256, 64, 128), [128], [384]),
+])
+def test_a_probe_costs_the_same_cycles_at_any_token_bucket(gen, case, bs, q, kv):
+    """Why one probe bucket can price every key bucket: the bucket only sizes arrays the
+    program leaves in HBM. The smallest bucket (128) and the largest (8192) compile to the
+    same cycles."""
+    model = ModelShape(8, 1, 128)
+    w = Workload.of_case(Case.parse(case), q, kv)
+    cycles = []
+    for t in (128, 8192):
+        lim = ServingLimits(page_size=128, max_num_tokens=t, max_num_seqs=128, max_model_len=8192)
+        req = dict(_request(case, w, bs, gen, model), limits=dataclasses.asdict(lim))
+        r = profiler.profile(compose.OURS, req, timeout=600)
+        assert r["status"] == "ok", r.get("message")
+        cycles.append(r["cycles"])
+    assert cycles[0] == cycles[1] > 0

@@ -14,8 +14,12 @@ their cycles and price any workload from the kernel's own walk over it (``kernel
   is the bound (v5e, TPU7x) a step costs its DMA or its compute, whichever is larger, which
   no sum of item costs can express.
 
-The same probes price every workload and token bucket of a key. ``benchmarks/README.md``
-("Composition") has the check against full compiles.
+The same probes price every workload and every token bucket of a config: they are
+compiled at one token bucket per config (``probe_tokens``), whatever the key's. A bucket
+only sizes the q / output arrays, which stay in HBM (``pl.ANY``) and of which a probe
+touches only its own rows, so the probes' cycles do not depend on it (checked:
+``tests/test_compose.py``). ``benchmarks/README.md`` ("Composition") has the check against
+full compiles.
 """
 from __future__ import annotations
 
@@ -72,6 +76,17 @@ def probes(case: Case | str, bs: BlockSizes, page_size: int, skip_dead_chunks: b
     return [Probe(*zip(*s)) for s in (
         one, [(bq, bq + bkv)], third, [(2 * bq, 2 * bq)], one * 2, [(bq, bq + P)],
         [(bq, bq + bkv + P)])]
+
+
+PROBE_MIN_TOKENS = 2048   # the token bucket probes are compiled at, unless one needs more
+
+
+def probe_tokens(plist: list[Probe]) -> int:
+    """The token bucket a config's probes are compiled at: ``PROBE_MIN_TOKENS``, or the
+    next power of two holding the largest probe's tokens. It depends on the config only,
+    so every key bucket shares the probes (module doc)."""
+    need = max(sum(p.q_lens) for p in plist)
+    return max(PROBE_MIN_TOKENS, 1 << (need - 1).bit_length())
 
 
 # ------------------------------------------------------------------ decode: a two-stage pipeline
@@ -270,6 +285,13 @@ def probe_config(*, builder: str, case: Case | str, bs: BlockSizes, tpu: str, mo
     from rpa_tune.provenance import kernel_hash
     case = Case.parse(case)
     bs = BlockSizes.coerce(bs)
+    from kernel.config import get_generation
+    # Our kernel skips dead chunks except on TPU7x (kernel.config.TpuGeneration); the public
+    # kernel's lowering runs a compute chunk only below its KV block's valid length.
+    skip = get_generation(tpu).skip_dead_chunks if builder == OURS else True
+    plist = probes(case, bs, limits["page_size"], skip)
+    # one program per config for every token bucket (module doc)
+    limits = dict(limits, max_num_tokens=probe_tokens(plist))
     doc = dict(builder=builder, case=case.value, bs=list(bs), tpu=tpu, model=model, limits=limits,
                options=options or {})
     # Our prefill / mixed programs only (see profiler.FAST_FORWARD_FLAG), and not those
@@ -290,11 +312,6 @@ def probe_config(*, builder: str, case: Case | str, bs: BlockSizes, tpu: str, mo
         doc["walk_new"] = True
     source = kernel_hash()       # what the cache key holds; every probe must have compiled it
     path = os.path.join(_cache_dir(), _cache_key(doc) + ".json")
-    from kernel.config import get_generation
-    # Our kernel skips dead chunks except on TPU7x (kernel.config.TpuGeneration); the public
-    # kernel's lowering runs a compute chunk only below its KV block's valid length.
-    skip = get_generation(tpu).skip_dead_chunks if builder == OURS else True
-    plist = probes(case, bs, limits["page_size"], skip)
     window = (options or {}).get("sliding_window")
     if use_cache and os.path.exists(path):
         try:

@@ -1,0 +1,125 @@
+"""The coverage the shipped tables promise: one place for the matrix of keys.
+
+Generations x model shapes x cases x token buckets x page sizes. ``tables/generate.sh``
+sweeps it (``python -m rpa_tune.coverage plan`` prints its sweeps), ``rpa-tune report``
+draws it as the coverage matrix, and ``tests/test_tables_shipped.py`` asserts the shipped
+tables hold it.
+
+* Shapes are per shard (``rpa_tune.presets``), plus the attention options a model's keys
+  are tuned with: Gemma-2-9B's layers soft-cap their logits at 50 and every other one
+  attends to a 4096-token window (its ``sliding_window=true`` keys); Llama-3-8B is also
+  tuned with an fp8 (``float8_e4m3fn``) KV cache.
+* Page sizes: 128 for every shape; 256 too for the 128-wide bf16 shapes, the size
+  vLLM-TPU's Pallas backend picks for model lengths of 4K-8K (``next_power_of_2(len) // 16``
+  clamped to [16, 256]).
+* Model length: one bucket, 8192; the lookup serves any shorter one from it
+  (``kernel.tables.index``).
+* Workloads per bucket (``SWEEP_WORKLOAD``): decode 64 sequences (lognormal context,
+  median 2048); prefill up to eight 1024-token chunks, as many as fill the bucket (one
+  chunk of the bucket below 1024); mixed scales with the bucket (``rpa_tune.workloads``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import shlex
+import sys
+
+CASES = ("decode", "prefill", "mixed")
+GENERATIONS = ("v4", "v5e", "v5p", "v6e", "tpu7x")
+BUCKETS = (128, 256, 512, 1024, 2048, 4096, 8192)
+MAX_MODEL_LEN = 8192
+MAX_NUM_SEQS = 128
+GEMMA2_SOFT_CAP = 50.0
+GEMMA2_WINDOW = 4096
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """One row of the coverage matrix: a preset with the options its keys are tuned with."""
+    name: str
+    preset: str
+    kv_dtype: str | None = None          # None: the preset's
+    sliding_window: int | None = None    # the key's sliding_window flag, and the window swept
+    soft_cap: float | None = None
+    page_sizes: tuple[int, ...] = (128,)
+
+    def sweep_args(self) -> list[str]:
+        a = ["--model", self.preset]
+        if self.kv_dtype:
+            a += ["--kv-dtype", self.kv_dtype]
+        if self.sliding_window:
+            a += ["--sliding-window", str(self.sliding_window)]
+        if self.soft_cap:
+            a += ["--soft-cap", f"{self.soft_cap:g}"]
+        return a
+
+
+# cheapest to estimate first (KV heads per shard), so a run cut short still covers them
+SHAPES: tuple[Shape, ...] = (
+    Shape("llama3-70b-tp8", "llama3-70b-tp8", page_sizes=(128, 256)),
+    Shape("starcoder-15b (MQA)", "starcoder-15b"),
+    Shape("qwen3-32b-tp4", "qwen3-32b-tp4", page_sizes=(128, 256)),
+    Shape("llama3-8b", "llama3-8b", page_sizes=(128, 256)),
+    Shape("llama3-8b fp8 KV", "llama3-8b", kv_dtype="float8_e4m3fn"),
+    Shape("llama3.2-1b", "llama3.2-1b"),
+    Shape("gemma2-9b", "gemma2-9b", soft_cap=GEMMA2_SOFT_CAP),
+    Shape("gemma2-9b window", "gemma2-9b", sliding_window=GEMMA2_WINDOW, soft_cap=GEMMA2_SOFT_CAP),
+)
+
+# the generated workload of every swept bucket (module doc)
+SWEEP_WORKLOAD = {"decode": ["--num-seqs", "64"], "prefill": ["--chunk", "1024", "--num-chunks", "8"],
+                  "mixed": []}
+
+
+@dataclasses.dataclass(frozen=True)
+class Sweep:
+    """One ``rpa-tune sweep`` of the plan: every bucket of one generation, shape, case and
+    page size (the buckets share their configs' probe compiles)."""
+    generation: str
+    shape: Shape
+    case: str
+    page_size: int
+
+    def args(self) -> list[str]:
+        return (["--tpu", self.generation, "--case", self.case] + self.shape.sweep_args()
+                + ["--page-size", str(self.page_size), "--max-model-len", str(MAX_MODEL_LEN),
+                   "--max-num-seqs", str(MAX_NUM_SEQS), "--buckets", ",".join(map(str, BUCKETS))]
+                + SWEEP_WORKLOAD[self.case])
+
+
+def plan(generations=GENERATIONS, shapes=SHAPES, cases=CASES) -> list[Sweep]:
+    return [Sweep(g, s, c, p) for s in shapes for g in generations for c in cases for p in s.page_sizes]
+
+
+def expected_keys() -> list:
+    """Every ``TuningKey`` the shipped tables must hold."""
+    from kernel.config import TuningKey
+    from .presets import get_preset
+    keys = []
+    for sw in plan():
+        p = get_preset(sw.shape.preset)
+        for t in BUCKETS:
+            keys.append(TuningKey(sw.generation, sw.case, p.q_dtype, sw.shape.kv_dtype or p.kv_dtype,
+                                  p.num_q_heads, p.num_kv_heads, p.head_dim, sw.page_size, t,
+                                  MAX_MODEL_LEN, sw.shape.sliding_window is not None))
+    return keys
+
+
+def main(argv: list[str]) -> int:
+    """``python -m rpa_tune.coverage plan [--gen G] [--shape NAME] [--case C]`` (each
+    repeatable): one line of sweep arguments per sweep of the plan."""
+    import argparse
+    ap = argparse.ArgumentParser(prog="python -m rpa_tune.coverage")
+    ap.add_argument("command", choices=["plan"])
+    ap.add_argument("--gen", action="append", choices=GENERATIONS)
+    ap.add_argument("--shape", action="append", choices=[s.name for s in SHAPES])
+    ap.add_argument("--case", action="append", choices=CASES)
+    a = ap.parse_args(argv)
+    shapes = tuple(s for s in SHAPES if not a.shape or s.name in a.shape)
+    for sw in plan(generations=tuple(a.gen or GENERATIONS), shapes=shapes, cases=tuple(a.case or CASES)):
+        print(shlex.join(sw.args()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
