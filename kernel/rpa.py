@@ -403,7 +403,7 @@ class _Geometry:
     nseq: int                # sequences per q block: decode bq (one token each), else 1
     window: int | None
     q_fold: float            # folded into q once per q block (see load_q)
-    base2: bool              # scores in base 2 (exp2) rather than e
+    cap_fold: float | None   # soft cap: scores are cap_fold * tanh(s / cap) (base 2, see of)
     row_tile: int            # q rows per online-softmax update
     buf_rows: int            # packed rows per token in the KV block buffer
 
@@ -412,20 +412,23 @@ class _Geometry:
         bq, bkv, cq, ckv = spec.bs
         pk, Dp = spec.kv_pack, spec.head_dim_p
         scale = spec.sm_scale * (spec.q_scale or 1.0) * (spec.k_scale or 1.0)
-        # The score scale is folded into q once per q block; without a soft cap, so is
-        # log2(e): scores are then in base 2 and exp2 replaces exp, which costs the same as
-        # exp minus its multiply by log2(e). Two multiplies per score element fewer.
-        base2 = spec.soft_cap is None
+        # The score scale is folded into q once per q block, and so is log2(e) without a
+        # soft cap (with one, into the cap's own multiply after the tanh): scores are in
+        # base 2 and exp2 replaces exp, which costs the same as exp minus its multiply by
+        # log2(e). (A bf16 exp of a capped score also broke libtpu's static profiler on
+        # v6e: an LLO type check on the multiply by log2(e) that exp lowers to.)
+        log2e = math.log2(math.e)
+        cap_fold = None if spec.soft_cap is None else spec.soft_cap * log2e
         return cls(spec=spec, bq=bq, bkv=bkv, cq=cq, ckv=ckv, ps=spec.page_size, pk=pk, Hkv=spec.num_kv_heads,
                    G=spec.group, Dp=Dp, pages_per_block=bkv // spec.page_size,
                    n_chunks=bkv // ckv, n_qchunks=bq // cq, decode=spec.case == Case.DECODE,
                    nseq=bq if spec.case == Case.DECODE else 1,
-                   window=spec.sliding_window, q_fold=scale * (math.log2(math.e) if base2 else 1.0),
-                   base2=base2, row_tile=_row_tile(cq * spec.group, ckv, spec.score_tile_vregs),
+                   window=spec.sliding_window, q_fold=scale * (log2e if cap_fold is None else 1.0),
+                   cap_fold=cap_fold, row_tile=_row_tile(cq * spec.group, ckv, spec.score_tile_vregs),
                    buf_rows=kv_buffer_rows(spec.kv_rows))
 
     def exp(self, x):
-        return jnp.exp2(x) if self.base2 else jnp.exp(x)
+        return jnp.exp2(x)
 
 
 class _Refs(typing.NamedTuple):
@@ -842,7 +845,7 @@ class _Attention:
         q = self.refs.qh[h, row] if g.decode else self.refs.qh[h, pl.ds(row, g.row_tile)]
         s = jax.lax.dot_general(q.astype(k.dtype), k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
         if soft_cap is not None:
-            s = soft_cap * jnp.tanh(s / soft_cap)
+            s = g.cap_fold * jnp.tanh(s / soft_cap)
         mask = None
         if g.window:
             q_pos = q_first if g.decode else self.q_pos(q_first, row)

@@ -73,6 +73,10 @@ def sweep(
                                                  "window (tokens), and the results go to the key's "
                                                  "sliding_window=true entry. Default: full attention.",
                                                  show_default=False),
+    soft_cap: Optional[float] = typer.Option(None, "--soft-cap", min=0.001, help="Tune with logit soft-capping "
+                                             "(cap * tanh(logits / cap), e.g. 50 for Gemma-2), as the model's "
+                                             "layers run; the key does not record it. Default: none.",
+                                             show_default=False),
     workload: Optional[Path] = typer.Option(None, "--workload", help="JSON/CSV file of per-sequence q_len, kv_len "
                                             "(optional case column) to tune on instead of the generated workload.",
                                             show_default=False),
@@ -131,7 +135,7 @@ def sweep(
             context=context, chunk=chunk, num_chunks=num_chunks, seed=seed, backend=value(backend),
             search=value(search), budget=budget, patience=patience, jobs=jobs, timeout=timeout, results=results,
             space=space, retry=[value(r) for r in retry], dry_run=dry_run, sliding_window=sliding_window,
-            kernel=value(kernel))
+            kernel=value(kernel), soft_cap=soft_cap)
         if storage is not None:
             from .distributed import StorageError, parse_storage
             try:
@@ -194,7 +198,7 @@ def sweep(
 def _build_specs(*, tpu, case, model, q_heads, kv_heads, head_dim, dtype, kv_dtype, page_size, max_num_tokens,
                  max_num_seqs, max_model_len, workload, num_seqs, context, chunk, num_chunks, seed, backend,
                  search, budget, patience, jobs, timeout, results, space, retry, dry_run, buckets=None,
-                 sliding_window=None, kernel="rpa-tune"):
+                 sliding_window=None, kernel="rpa-tune", soft_cap=None):
     """Validate every input and build one SweepSpec per bucket x case (no side effects)."""
     from kernel.config import Case
     from .kernels import KernelError, get_kernel
@@ -243,11 +247,12 @@ def _build_specs(*, tpu, case, model, q_heads, kv_heads, head_dim, dtype, kv_dty
                 raise UsageError(str(e)) from None
             key = problem_key(tpu, c, m, limits, sliding_window=sliding_window is not None)
             window = f", sliding window {sliding_window}" if sliding_window is not None else ""
+            window += f", soft cap {soft_cap:g}" if soft_cap is not None else ""
             spec = SweepSpec(key=key, model=m, limits=limits, workload=w,
                              workload_desc=f"{describe(w)}{window} [{origin}]", case_space=cs, backend=be,
                              search=search, budget=budget, seed=seed, jobs=jobs, timeout=timeout,
                              patience=patience, retry=tuple(retry), model_label=model_label,
-                             sliding_window=sliding_window, kernel=kern.name)
+                             sliding_window=sliding_window, kernel=kern.name, soft_cap=soft_cap)
             try:
                 plan = plan_sweep(spec)
             except SpaceError as e:

@@ -292,6 +292,7 @@ class SweepSpec:
     model_label: str = ""
     sliding_window: int | None = None   # the window the kernel runs with (key.sliding_window)
     kernel: str = "rpa-tune"            # the tuned kernel (rpa_tune.kernels)
+    soft_cap: float | None = None       # logit soft cap the kernel runs with (not in the key)
 
     def __post_init__(self):
         if bool(self.key.sliding_window) != (self.sliding_window is not None):
@@ -428,6 +429,8 @@ def sweep_context(spec: SweepSpec) -> SweepContext:
     wid = workload_id(spec.workload)
     if spec.sliding_window is not None:   # another window is another problem (full attention keeps its ids)
         wid = f"{wid}-sw{spec.sliding_window}"
+    if spec.soft_cap is not None:         # so is a soft cap
+        wid = f"{wid}-cap{spec.soft_cap:g}"
     return SweepContext(spec, kern, prov, kversion, ev_version, wid)
 
 
@@ -446,7 +449,7 @@ def make_task(spec: SweepSpec, plan: Plan, bs: BlockSizes) -> Task:
                 model=spec.model, limits=spec.limits, workload=spec.workload, bs=bs,
                 timeout=float(spec.timeout), seed=spec.seed,
                 vmem_predicted_bytes=plan.predicted.get(bs), sliding_window=spec.sliding_window,
-                kernel=spec.tuned_kernel.name)
+                kernel=spec.tuned_kernel.name, soft_cap=spec.soft_cap)
 
 
 def run_sweep(spec: SweepSpec, store: ResultStore, *, events: Events | None = None,

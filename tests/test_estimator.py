@@ -552,3 +552,23 @@ def test_a_probe_costs_the_same_cycles_at_any_token_bucket(gen, case, bs, q, kv)
         assert r["status"] == "ok", r.get("message")
         cycles.append(r["cycles"])
     assert cycles[0] == cycles[1] > 0
+
+
+def test_a_soft_capped_program_computes_the_cap():
+    """The compile backend's soft cap (Gemma-2's keys) reaches the profiled program: the
+    tanh of every logit costs cycles a plain program does not spend. (It crashed the
+    profiler on v6e until the kernel folded log2(e) into the cap: kernel/rpa.py.)"""
+    from rpa_tune.evaluators.compile import _options
+    from rpa_tune.evaluators.base import Task
+    model = ModelShape(8, 1, 128)
+    w = Workload.of_case(Case.PREFILL, [128], [384])
+    bs = BlockSizes(64, 256, 64, 128)
+    task = Task(backend="compile", generation="v6e", case="prefill", model=model, limits=LIM, workload=w, bs=bs,
+                soft_cap=50.0)
+    assert Task.from_json(task.to_json()).soft_cap == 50.0
+    cycles = []
+    for opts in ({}, {"soft_cap": _options(task, 64 << 20)["soft_cap"]}):
+        r = profiler.profile(compose.OURS, dict(_request("prefill", w, bs, "v6e", model), options=opts), timeout=600)
+        assert r["status"] == "ok", r.get("message")
+        cycles.append(r["cycles"])
+    assert cycles[1] > cycles[0]

@@ -255,3 +255,23 @@ def test_sliding_window_sweep_tunes_the_window_key_and_export_ships_it(tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     doc = json.loads((out / "v6e.json").read_text())
     assert sorted(e["key"]["sliding_window"] for e in doc["entries"]) == [False, True]
+
+
+def test_soft_cap_sweep_runs_the_kernel_capped_and_keeps_its_rows_apart(tmp_path):
+    """`--soft-cap 50` (Gemma-2's layers) reaches the evaluator's task; its rows are another
+    workload of the same key than an uncapped sweep's, so export never compares the two."""
+    import pandas as pd
+    res = tmp_path / "results"
+    env = {"RPA_TUNE_EVALUATOR_OVERRIDE": "tune_fakes:make_evaluator", "RPA_TUNE_KERNEL_HASH": "cli-cap",
+           "PYTHONPATH": TESTS + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    base = ["sweep", "--tpu", "v6e", "--case", "decode", "--model", "llama3-70b-tp8", "--backend", "compile",
+            "--search", "grid", "--budget", "5", "--results", str(res), "--json"]
+    assert run(base + ["--soft-cap", "50"], env=env).returncode == 0
+    assert run(base, env=env).returncode == 0
+    df = pd.read_parquet(res)
+    capped = df[df["message"].str.endswith("soft_cap=50")]
+    assert len(capped) == 5 and len(df) == 10
+    assert all("soft cap 50" in w for w in capped["workload"])
+    assert len(set(df["workload_id"])) == 2
+    r = run(base + ["--soft-cap", "0"], env=env)
+    assert r.returncode == 2 and "--soft-cap" in r.stderr

@@ -60,7 +60,8 @@ class FakeEvaluator(Evaluator):
         return EvalResult(OK, self.method, metric=m, cycles=m * 1e9, estimate_s=m, active_bound="estimate",
                           samples=1, compile_s=0.01, vmem_limit_bytes=16 << 20, audit="complete",
                           clock_hz=1.5e9, clock_source="fake clock",
-                          message=f"fake estimate (sliding_window={task.sliding_window})")
+                          message=f"fake estimate (sliding_window={task.sliding_window})"
+                          + (f" soft_cap={task.soft_cap:g}" if task.soft_cap is not None else ""))
 
 
 def make_evaluator(backend):

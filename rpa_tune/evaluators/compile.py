@@ -184,11 +184,13 @@ _NOISE = ("could not determine TPU accelerator type", "Failed to find host bound
 
 
 def _options(task: Task, limit: int) -> dict:
-    """The kernel options of an estimate: the scoped VMEM limit, and the attention window
-    when the task tunes a sliding-window key."""
+    """The kernel options of an estimate: the scoped VMEM limit, the attention window when
+    the task tunes a sliding-window key, and the logit soft cap when it has one."""
     opts = {"vmem_limit_bytes": limit}
     if task.sliding_window is not None:
         opts["sliding_window"] = int(task.sliding_window)
+    if task.soft_cap is not None:
+        opts["soft_cap"] = float(task.soft_cap)
     return opts
 
 

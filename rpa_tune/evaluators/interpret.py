@@ -102,12 +102,14 @@ class InterpretEvaluator(Evaluator):
         sm_scale = task.model.head_dim ** -0.5
         window = task.sliding_window
         ref_out, ref_cache = kernel.reference.ragged_paged_attention(**inp, sm_scale=sm_scale,
-                                                                     sliding_window=window)
+                                                                     sliding_window=window,
+                                                                     soft_cap=task.soft_cap)
         kw = {block_sizes_arg(task.case): tuple(task.bs)}
         t0 = time.perf_counter()
         try:
             out, cache = kernel.ragged_paged_attention(**{k: jnp.asarray(v) for k, v in inp.items()},
                                                        sm_scale=sm_scale, sliding_window=window,
+                                                       soft_cap=task.soft_cap,
                                                        interpret=True, **kw)
             out, cache = np.asarray(out), np.asarray(cache)
         except Exception as e:  # noqa: BLE001 - a config the kernel cannot run

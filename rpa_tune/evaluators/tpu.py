@@ -209,7 +209,8 @@ class TpuEvaluator(Evaluator):
             limit = cap          # its own default: all of VMEM
         while True:
             fn = jax.jit(functools.partial(call, sm_scale=sm_scale,
-                                           sliding_window=task.sliding_window, vmem_limit_bytes=limit,
+                                           sliding_window=task.sliding_window, soft_cap=task.soft_cap,
+                                           vmem_limit_bytes=limit,
                                            **{block_sizes_arg(task.case): tuple(task.bs)}),
                          donate_argnums=(3,))
             t0 = time.perf_counter()
@@ -236,7 +237,8 @@ class TpuEvaluator(Evaluator):
         # wins.
         from .interpret import reference_mismatches
         ref_out, ref_cache = kernel.reference.ragged_paged_attention(**inp, sm_scale=sm_scale,
-                                                                     sliding_window=task.sliding_window)
+                                                                     sliding_window=task.sliding_window,
+                                                                     soft_cap=task.soft_cap)
         out0, cache0 = compiled(*args)
         problems = reference_mismatches(out0, cache0, ref_out, ref_cache, task.workload.num_tokens,
                                         task.model.kv_dtype)
