@@ -164,12 +164,14 @@ def shape_name(shape: tuple) -> str:
 def coverage(df, entries, sections=()) -> Coverage:
     """Generation x model shape x case x token bucket of our kernel: ``tuned`` when the
     tables hold a promoted entry for it, ``not promoted`` when results or a non-promoted
-    entry exist but no promoted one, else ``missing``. Shapes: the presets, then any other
-    shape in the results or tables. Buckets: the keys' ``max_num_tokens`` (what the tables
-    key on). Page size, model length and sliding window are folded into the cell (its keys
-    list them)."""
+    entry exist but no promoted one, else ``missing``. Rows: the shapes of the shipped
+    matrix (``rpa_tune.coverage``; a shape and its sliding-window keys are two rows), then
+    the other presets, then any other shape in the results or tables. Buckets: the
+    matrix's and the keys' ``max_num_tokens``. Page size and model length are folded into
+    the cell (its keys list them)."""
+    from . import coverage as matrix
     from .kernels import row_kernel
-    from .presets import PRESETS
+    from .presets import PRESETS, get_preset
     results_keys: set = set()
     if len(df):
         d = df[[row_kernel(k) == "rpa-tune" for k in df["kernel"]]] if "kernel" in df else df
@@ -180,26 +182,40 @@ def coverage(df, entries, sections=()) -> Coverage:
             except (TypeError, ValueError):
                 continue
     table_keys = {e.key: e for e in entries}
-    shapes = [(p.num_q_heads, p.num_kv_heads, p.head_dim, p.q_dtype, p.kv_dtype) for p in PRESETS.values()]
-    shapes = list(dict.fromkeys(shapes))
+
+    def preset_shape(p, kv_dtype=None):
+        return (p.num_q_heads, p.num_kv_heads, p.head_dim, p.q_dtype, kv_dtype or p.kv_dtype)
+
+    rows: dict = {}
+    for sh in matrix.SHAPES:
+        rows.setdefault((preset_shape(get_preset(sh.preset), sh.kv_dtype), sh.sliding_window is not None), sh.name)
+    for p in PRESETS.values():
+        rows.setdefault((preset_shape(p), False), None)
     for k in sorted(results_keys | set(table_keys)):
-        s = model_shape(k.as_dict())
-        if s not in shapes:
-            shapes.append(s)
-    buckets = sorted({k.max_num_tokens for k in results_keys | set(table_keys)})
+        rows.setdefault((model_shape(k.as_dict()), k.sliding_window), None)
+    from .ui import shape_label
+    shapes = []
+    for (shape, sw), name in rows.items():
+        label = (f"{name}: " + shape_label(dict(zip(("num_q_heads", "num_kv_heads", "head_dim", "q_dtype",
+                                                     "kv_dtype"), shape)))) if name else shape_name(shape)
+        shapes.append(((shape, sw), label + (", sliding window" if sw else "")))
+    buckets = sorted(set(matrix.BUCKETS) | {k.max_num_tokens for k in results_keys | set(table_keys)})
     anchors = {}
     for sec in sections:
         if sec.group.kernel == "rpa-tune":
             anchors.setdefault(sec.group.key_id, sec.anchor)
+    by_cell: dict = {}
+    for k in results_keys | set(table_keys):
+        by_cell.setdefault((k.generation, (model_shape(k.as_dict()), k.sliding_window), k.case,
+                            k.max_num_tokens), []).append(k)
     cells = {}
     for g in GENERATIONS:
-        for s in shapes:
+        for s, _ in shapes:
             for c in CASES:
                 for t in buckets:
-                    def here(k):
-                        return (k.generation, model_shape(k.as_dict()), k.case, k.max_num_tokens) == (g, s, c, t)
-                    rk = sorted(k for k in results_keys if here(k))
-                    tk = sorted(k for k in table_keys if here(k))
+                    ks = by_cell.get((g, s, c, t), [])
+                    rk = sorted(k for k in ks if k in results_keys)
+                    tk = sorted(k for k in ks if k in table_keys)
                     if any(table_keys[k].promoted for k in tk):
                         state = "tuned"
                     elif rk or tk:
@@ -209,7 +225,7 @@ def coverage(df, entries, sections=()) -> Coverage:
                     keys = sorted({k.id() for k in rk + tk})
                     anchor = next((anchors[k] for k in keys if k in anchors), None)
                     cells[(g, s, c, t)] = CoverageCell(state, keys, anchor)
-    return Coverage(list(GENERATIONS), [(s, shape_name(s)) for s in shapes], list(CASES), buckets, cells)
+    return Coverage(list(GENERATIONS), shapes, list(CASES), buckets, cells)
 
 
 def gather(df, entries, *, results: str = "", tables: str = "", tpu=None, case=None, backend=None,
@@ -461,12 +477,14 @@ def render_html(data: ReportData) -> str:
 
 
 def _render_coverage(add, cov: Coverage) -> None:
+    from . import coverage as matrix
     add("<h2 id=\"coverage\">Coverage</h2>")
     add("<p>Our kernel's keys per generation × model shape × case × token bucket (<code>max_num_tokens</code> "
         "of the key, as the tables key them). <b>tuned</b>: the tables hold a promoted entry; <b>not "
         "promoted</b>: results (or a non-promoted entry) exist, but no promoted entry (the winner did not beat "
-        "the heuristic by the margin, or it was not exported); <b>missing</b>: neither. Page size, model length "
-        "and sliding window are folded into a cell (hover it for its keys; a link goes to the key below).</p>")
+        "the heuristic by the margin, or it was not exported); <b>missing</b>: neither. The first rows are the "
+        "shapes the shipped tables promise (<code>rpa_tune/coverage.py</code>). Page size and model length "
+        "are folded into a cell (hover it for its keys; a link goes to the key below).</p>")
     counts = Counter(c.state for c in cov.cells.values())
     add("<p>" + ", ".join(f"{counts.get(s, 0)} {_e(s)}" for s in COVERAGE_STATES) + " cells.</p>")
     if not cov.buckets:
@@ -484,8 +502,10 @@ def _render_coverage(add, cov: Coverage) -> None:
     for g in cov.generations:
         if all(cov.cells[(g, s, c, t)].state == "missing" for s, _ in cov.shapes for c in cov.cases
                for t in cov.buckets):
+            why = matrix.NEEDS_A_DEVICE.get(g)
+            why = f"; needs a device: {why}" if why else ""
             add(f"<tr><th>{_e(g)}</th><td>every shape</td><td class=\"c missing\" colspan=\"{ncols}\">missing "
-                "(no results, no table entry)</td></tr>")
+                f"(no results, no table entry{_e(why)})</td></tr>")
             continue
         for j, (shape, label) in enumerate(cov.shapes):
             add("<tr>")

@@ -143,11 +143,18 @@ def test_failed_heuristic_and_a_config_found_wrong(data):
 def test_coverage_with_one_table_entry(data):
     from kernel.config import GENERATIONS
     from rpa_tune.presets import PRESETS
+    from rpa_tune import coverage as matrix
     cov = data.coverage
     assert cov.generations == list(GENERATIONS) and cov.cases == ["decode", "prefill", "mixed"]
-    assert cov.buckets == [2048]
-    shape = lambda p: (p.num_q_heads, p.num_kv_heads, p.head_dim, p.q_dtype, p.kv_dtype)
-    assert [s for s, _ in cov.shapes] == list(dict.fromkeys(shape(p) for p in PRESETS.values()))
+    assert cov.buckets == list(matrix.BUCKETS)
+    shape = lambda p, kv=None: ((p.num_q_heads, p.num_kv_heads, p.head_dim, p.q_dtype, kv or p.kv_dtype), False)
+    rows = [s for s, _ in cov.shapes]
+    # the matrix's shapes first (Gemma-2 twice: its window keys are a row of their own), then
+    # the presets it leaves out
+    want = list(dict.fromkeys([(shape(PRESETS[s.preset], s.kv_dtype)[0], s.sliding_window is not None)
+                               for s in matrix.SHAPES] + [shape(p) for p in PRESETS.values()]))
+    assert rows == want and ((16, 8, 256, "bfloat16", "bfloat16"), True) in rows
+    assert ((32, 8, 128, "bfloat16", "float8_e4m3fn"), False) in rows
     a, b = shape(PRESETS["llama3-8b"]), shape(PRESETS["llama3-70b-tp8"])
     expect = {("v6e", a, "decode", 2048): "tuned",           # promoted entry in the tables
               ("v6e", b, "prefill", 2048): "not promoted",   # results, no entry
@@ -164,10 +171,10 @@ def test_not_promoted_table_entry_and_a_custom_shape(results):
     odd = key("v5e", "mixed", hq=4, hkv=4, d=64, t=512)
     cov = coverage(ResultStore(results).read(), [entry(KEY_A, (1, 512, 1, 128), promoted=False),
                                                   entry(odd, (8, 512, 8, 128), promoted=True)])
-    a = (32, 8, 128, "bfloat16", "bfloat16")
-    assert cov.buckets == [512, 2048]
+    a = ((32, 8, 128, "bfloat16", "bfloat16"), False)
+    assert cov.buckets == [128, 256, 512, 1024, 2048, 4096, 8192]
     assert cov.cells[("v6e", a, "decode", 2048)].state == "not promoted"
-    assert cov.cells[("v5e", (4, 4, 64, "bfloat16", "bfloat16"), "mixed", 512)].state == "tuned"
+    assert cov.cells[("v5e", ((4, 4, 64, "bfloat16", "bfloat16"), False), "mixed", 512)].state == "tuned"
     assert cov.shapes[-1][1].startswith("custom")
 
 
