@@ -432,6 +432,7 @@ def test_profiler_child_logs_stay_in_its_temporary_folder_and_a_full_disk_is_nam
     """libtpu's logs (over 100 MB per bundle-dump compile) go to the child's temporary
     folder, removed with it; a child killed by a full disk is the machine's failure,
     marked so that no benchmark records it as the config's crash."""
+    monkeypatch.setenv(profiler.WARM_ENV, "0")       # a child per compile (the warm ones: below)
     here = os.path.dirname(os.path.abspath(__file__))
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]))
     r = profiler.profile("tune_fakes:env_report_builder", {}, timeout=120)
@@ -447,6 +448,7 @@ def test_a_cancelled_profiler_child_is_killed_at_once(monkeypatch):
     caller sets the cancel event, not left to finish its compile."""
     import threading
     import time as time_mod
+    monkeypatch.setenv(profiler.WARM_ENV, "0")       # a child per compile (the warm ones: below)
     here = os.path.dirname(os.path.abspath(__file__))
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]))
     cancel = threading.Event()
@@ -460,6 +462,7 @@ def test_a_kernel_edited_during_a_run_is_not_recorded_under_the_old_hash(monkeyp
     """The profiler child imports the kernel afresh: when the source it saw is not the one
     the caller records under, the result is the environment's failure, not the config's."""
     from rpa_tune.provenance import KERNEL_HASH_ENV
+    monkeypatch.setenv(profiler.WARM_ENV, "0")       # a child per compile (the warm ones: below)
     here = os.path.dirname(os.path.abspath(__file__))
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]))
     monkeypatch.setenv(KERNEL_HASH_ENV, "source-the-child-sees")
@@ -572,3 +575,32 @@ def test_a_soft_capped_program_computes_the_cap():
         assert r["status"] == "ok", r.get("message")
         cycles.append(r["cycles"])
     assert cycles[1] > cycles[0]
+
+
+def test_warm_profiler_children_give_a_new_childs_results_and_are_reused(monkeypatch):
+    """A warm child (profiler._Warm) serves compile after compile: the same cycles and
+    trace as a new child per compile, libtpu's logs and profiles gone after each request;
+    another environment gets another child, and a child that crashed is not reused."""
+    model = ModelShape(8, 1, 128)
+    reqs = [_request("decode", Workload.of_case(Case.DECODE, [1] * n, [300] * n), BlockSizes(1, 256, 1, 128),
+                     "v5e", model) for n in (4, 5)]
+    monkeypatch.setenv(profiler.WARM_ENV, "0")
+    cold = [profiler.profile(compose.OURS, r, timeout=600) for r in reqs]
+    monkeypatch.setenv(profiler.WARM_ENV, "1")
+    profiler._Warm.close_all()
+    warm = [profiler.profile(compose.OURS, r, timeout=600) for r in reqs]
+    for c, w in zip(cold, warm):
+        assert w["status"] == c["status"] == "ok"
+        assert (w["cycles"], w["trace"], w["kernels"]) == (c["cycles"], c["trace"], c["kernels"])
+    children = [w for idle in profiler._Warm._idle.values() for w in idle]
+    assert len(children) == 1 and children[0].served == 2          # one child served both
+    child = children[0]
+    assert os.listdir(child.profile_dir) == [] and "tpu_logs" not in os.listdir(child.dir)
+    here = os.path.dirname(os.path.abspath(__file__))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]))
+    r = profiler.profile("tune_fakes:disk_full_builder", {}, timeout=120)    # a new environment
+    assert r["status"] == "crash" and r["environment"] == "disk_full"
+    children = [w for idle in profiler._Warm._idle.values() for w in idle]
+    assert children == [child]                   # the crashed child is gone, the first one kept
+    profiler._Warm.close_all()
+    assert child.proc.poll() is not None and not os.path.exists(child.dir)

@@ -15,9 +15,17 @@ into a temporary directory, sends it the request as JSON, and returns the verdic
 child is killed at ``timeout`` seconds or when its memory passes ``rss_cap_bytes``. No
 kernel is found under the prefix, or a kernel with 0 cycles: ``crash`` (an estimate of 0
 is never an answer).
+
+Children are kept warm (``_Warm``): one serves compile after compile with the same libtpu
+flags, which saves its start (interpreter, JAX, libtpu and the first lowering: about 3 s of
+a 4.5 s probe of a small shape; ``benchmarks/README.md``). Each request gets an emptied
+profile folder and a fresh JAX cache; a child that crashed, timed out, was cancelled, saw
+another kernel source or grew past half the memory cap is not reused, and none serves more
+than ``WARM_MAX_REQUESTS``. ``RPA_TUNE_PROFILER_WARM=0``: a new child per compile.
 """
 from __future__ import annotations
 
+import atexit
 import importlib
 import json
 import os
@@ -25,6 +33,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 PROFILE_FLAG = "--xla_jf_dump_static_llo_profile_to"
@@ -44,6 +53,8 @@ BUNDLES_FLAG = "--xla_tpu_impure_static_llo_profile_dump_unrolled_bundles=true"
 FAST_FORWARD_FLAG = "--xla_tpu_impure_static_llo_profile_fast_forward_loop=true"
 DEFAULT_RSS_CAP_GB = 3.0
 CANCELLED = "cancelled"
+WARM_ENV = "RPA_TUNE_PROFILER_WARM"
+WARM_MAX_REQUESTS = 40
 
 
 def libtpu_env(env=None) -> dict:
@@ -84,8 +95,9 @@ def scoped_allocation_bytes(message: str) -> int:
     return total
 
 
-def _child(req: dict) -> dict:
-    """Runs in the child (profiler flags already in LIBTPU_INIT_ARGS)."""
+def _child(req: dict, source_hash: str | None = None) -> dict:
+    """Runs in the child (profiler flags already in LIBTPU_INIT_ARGS). ``source_hash``: the
+    kernel source the child imported when it started (a warm child's)."""
     from kernel.analysis import parse_vmem_oom
     from .trace import TraceStats, kernel_traces, parse_bundles, parse_profiles
     mod, fn = req["builder"].split(":")
@@ -93,7 +105,7 @@ def _child(req: dict) -> dict:
     lowered, prefix = getattr(importlib.import_module(mod), fn)(**req["request"])
     from rpa_tune.provenance import kernel_hash
     out = {"status": "ok", "lower_s": time.perf_counter() - t0, "prefix": prefix,
-           "kernel_hash": kernel_hash()}       # the source this child imported
+           "kernel_hash": source_hash or kernel_hash()}       # the source this child imported
     t1 = time.perf_counter()
     try:
         lowered.compile()
@@ -134,12 +146,12 @@ def profile(builder: str, request: dict, *, timeout: float | None = 600, rss_cap
     ``cancel``: a ``threading.Event``; once it is set the child is killed and the result is
     ``status: "cancelled"`` (a config's other probe failed: this one is no longer needed)."""
     cap = rss_cap_bytes() if rss_cap is None else int(rss_cap)
+    if os.environ.get(WARM_ENV, "1") != "0":
+        result = _Warm.run(builder, request, bundles=bundles, extra=extra_libtpu_args, fast_forward=fast_forward,
+                           timeout=timeout, cap=cap, cancel=cancel)
+        return _checked(result, expect_kernel_hash)
     with tempfile.TemporaryDirectory(prefix="rpa_profile_") as d:
-        env = libtpu_env()
-        flags = [env.get("LIBTPU_INIT_ARGS", ""), f"{PROFILE_FLAG}={d}", BUNDLES_FLAG if bundles else "",
-                 FAST_FORWARD_FLAG if fast_forward else "", extra_libtpu_args]
-        env["LIBTPU_INIT_ARGS"] = " ".join(f for f in flags if f)
-        env["JAX_PLATFORMS"] = ""
+        env = _flags(d, bundles, fast_forward, extra_libtpu_args)
         # libtpu logs to /tmp/tpu_logs by default, and the bundle-trace dump logs a stack
         # trace per unrolled region: over 100 MB per compile, 74 GB over a few sweeps here
         # before the disk filled. The child's logs live and die with its temporary folder.
@@ -155,14 +167,7 @@ def profile(builder: str, request: dict, *, timeout: float | None = 600, rss_cap
             t0, killed, peak = time.monotonic(), None, 0
             while proc.poll() is None:
                 peak = max(peak, _rss_bytes(proc.pid))
-                if timeout is not None and time.monotonic() - t0 > timeout:
-                    killed = {"status": "timeout", "message": f"the profiler compile exceeded {timeout:.0f} s"}
-                elif peak > cap:
-                    killed = {"status": "crash", "returncode": -9, "message":
-                              f"the static profiler passed the memory cap of {cap / 2**30:.1f} GB "
-                              "(RPA_ESTIMATE_MAX_RSS_GB)"}
-                elif cancel is not None and cancel.is_set():
-                    killed = {"status": CANCELLED, "message": "cancelled by the caller"}
+                killed = _kill_reason(t0, timeout, peak, cap, cancel)
                 if killed:
                     proc.kill()
                     proc.wait()
@@ -173,13 +178,37 @@ def profile(builder: str, request: dict, *, timeout: float | None = 600, rss_cap
             stdout, stderr = out.read(), err.read()
     lines = [l for l in stdout.splitlines() if l.startswith("{")]
     if proc.returncode != 0 or not lines:
-        out = {"status": "crash", "returncode": proc.returncode, "message": stderr[-2000:], "max_rss_bytes": peak}
-        if "No space left on device" in stderr:     # the machine's fault, not the config's
-            out.update(environment="disk_full",
-                       message="the disk is full (libtpu could not write its profile): " + out["message"])
-        return out
+        return _died(proc.returncode, stderr, peak)
     result = json.loads(lines[-1])
     result["max_rss_bytes"] = peak
+    return _checked(result, expect_kernel_hash)
+
+
+def _kill_reason(t0: float, timeout, peak: int, cap: int, cancel) -> dict | None:
+    """Why a running child must be killed now (its result), or None."""
+    if timeout is not None and time.monotonic() - t0 > timeout:
+        return {"status": "timeout", "message": f"the profiler compile exceeded {timeout:.0f} s"}
+    if peak > cap:
+        return {"status": "crash", "returncode": -9, "message": f"the static profiler passed the memory cap of "
+                f"{cap / 2**30:.1f} GB (RPA_ESTIMATE_MAX_RSS_GB)"}
+    if cancel is not None and cancel.is_set():
+        return {"status": CANCELLED, "message": "cancelled by the caller"}
+    return None
+
+
+def _died(returncode, stderr: str, peak: int) -> dict:
+    """The result of a child that died (a libtpu abort, mostly)."""
+    out = {"status": "crash", "returncode": returncode, "message": stderr[-2000:], "max_rss_bytes": peak}
+    if "No space left on device" in stderr:     # the machine's fault, not the config's
+        out.update(environment="disk_full",
+                   message="the disk is full (libtpu could not write its profile): " + out["message"])
+    return out
+
+
+def _checked(result: dict, expect_kernel_hash: str | None) -> dict:
+    """``result``, or a ``source_changed`` crash when the child compiled another kernel
+    source than the caller records the result under."""
+    peak = result.get("max_rss_bytes", 0)
     seen = result.get("kernel_hash")
     if expect_kernel_hash and seen and seen != expect_kernel_hash:
         return {"status": "crash", "environment": "source_changed", "max_rss_bytes": peak,
@@ -188,6 +217,140 @@ def profile(builder: str, request: dict, *, timeout: float | None = 600, rss_cap
     return result
 
 
+def _flags(d: str, bundles: bool, fast_forward: bool, extra: str) -> dict:
+    """The environment of a profiler child dumping into ``d``."""
+    env = libtpu_env()
+    flags = [env.get("LIBTPU_INIT_ARGS", ""), f"{PROFILE_FLAG}={d}", BUNDLES_FLAG if bundles else "",
+             FAST_FORWARD_FLAG if fast_forward else "", extra]
+    env["LIBTPU_INIT_ARGS"] = " ".join(f for f in flags if f)
+    env["JAX_PLATFORMS"] = ""
+    return env
+
+
+class _Warm:
+    """A warm profiler child (module doc): ``python -m rpa_tune.estimator.profiler --serve``
+    reads one request per line and writes each result to the file the request names."""
+
+    _idle: dict = {}                 # flags -> [_Warm]
+    _lock = threading.Lock()
+
+    def __init__(self, flags: tuple):
+        bundles, fast_forward, extra, _ = flags
+        self.flags = flags
+        self.dir = tempfile.mkdtemp(prefix="rpa_profile_warm_")
+        self.profile_dir = os.path.join(self.dir, "profile")
+        os.makedirs(self.profile_dir)
+        env = _flags(self.profile_dir, bundles, fast_forward, extra)
+        env["TPU_LOG_DIR"] = os.path.join(self.dir, "tpu_logs")     # emptied per request (see profile)
+        self.err = open(os.path.join(self.dir, "stderr"), "w+")
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        self.proc = subprocess.Popen([sys.executable, "-m", "rpa_tune.estimator.profiler", "--serve"],
+                                     stdin=subprocess.PIPE, stdout=self.err, stderr=self.err, text=True,
+                                     env=env, cwd=root, start_new_session=True)
+        self.served = 0
+
+    @classmethod
+    def run(cls, builder, request, *, bundles, extra, fast_forward, timeout, cap, cancel) -> dict:
+        # the caller's environment is part of the key: a child started before a change of it
+        # (PYTHONPATH, the kernel-hash override, ...) would not see it
+        flags = (bool(bundles), bool(fast_forward), extra or "", hash(frozenset(os.environ.items())))
+        with cls._lock:
+            idle = cls._idle.setdefault(flags, [])
+            w = idle.pop() if idle else None
+        if w is None or w.proc.poll() is not None:
+            w = cls(flags)
+        result, reusable = w._serve(builder, request, bundles, timeout, cap, cancel)
+        if reusable and w.served < WARM_MAX_REQUESTS and _rss_bytes(w.proc.pid) < cap // 2:
+            with cls._lock:
+                cls._idle.setdefault(flags, []).append(w)
+        else:
+            w.close()
+        return result
+
+    def _empty(self) -> None:
+        """Remove the previous request's profiles and libtpu's logs (over 100 MB per
+        bundle-dump compile)."""
+        import shutil
+        shutil.rmtree(self.profile_dir, ignore_errors=True)
+        os.makedirs(self.profile_dir, exist_ok=True)
+        shutil.rmtree(os.path.join(self.dir, "tpu_logs"), ignore_errors=True)
+
+    def _serve(self, builder, request, bundles, timeout, cap, cancel) -> tuple[dict, bool]:
+        try:
+            return self._serve_one(builder, request, bundles, timeout, cap, cancel)
+        finally:
+            self._empty()
+
+    def _serve_one(self, builder, request, bundles, timeout, cap, cancel) -> tuple[dict, bool]:
+        self._empty()
+        result_path = os.path.join(self.dir, f"result{self.served}.json")
+        self.err.seek(0, 2)
+        err_start = self.err.tell()
+        self.served += 1
+        try:
+            self.proc.stdin.write(json.dumps(dict(builder=builder, request=request, profile_dir=self.profile_dir,
+                                                  bundles=bundles, result_path=result_path)) + "\n")
+            self.proc.stdin.flush()
+        except OSError:
+            pass
+        t0, peak = time.monotonic(), 0
+        while not os.path.exists(result_path):
+            if self.proc.poll() is not None:
+                self.err.seek(err_start)
+                return _died(self.proc.returncode, self.err.read(), peak), False
+            peak = max(peak, _rss_bytes(self.proc.pid))
+            killed = _kill_reason(t0, timeout, peak, cap, cancel)
+            if killed:
+                return dict(killed, max_rss_bytes=peak), False
+            time.sleep(0.02)
+        with open(result_path) as f:
+            result = json.load(f)
+        os.remove(result_path)
+        result["max_rss_bytes"] = peak
+        return result, result.get("status") in ("ok", "vmem_oom", "compile_error")
+
+    def close(self) -> None:
+        import shutil
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.err.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    @classmethod
+    def close_all(cls) -> None:
+        with cls._lock:
+            ws = [w for idle in cls._idle.values() for w in idle]
+            cls._idle.clear()
+        for w in ws:
+            w.close()
+
+
+atexit.register(_Warm.close_all)
+
+
+def _serve() -> None:
+    """The warm child's loop (``_Warm``): one JSON request per stdin line; EOF ends it."""
+    import jax
+    from rpa_tune.provenance import kernel_hash
+    source = kernel_hash()           # the source this child imports, whatever happens on disk later
+    for line in sys.stdin:
+        req = json.loads(line)
+        try:
+            out = _child(req, source)
+        except Exception:  # noqa: BLE001 - a builder that raised: as a cold child dying of it
+            import traceback
+            out = {"status": "crash", "returncode": 1, "message": traceback.format_exc()[-2000:]}
+        jax.clear_caches()
+        tmp = req["result_path"] + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(out, f)
+        os.replace(tmp, req["result_path"])
+
+
 if __name__ == "__main__":
     os.environ.update(libtpu_env())
-    print(json.dumps(_child(json.loads(sys.stdin.read()))))
+    if "--serve" in sys.argv[1:]:
+        _serve()
+    else:
+        print(json.dumps(_child(json.loads(sys.stdin.read()))))

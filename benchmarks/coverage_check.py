@@ -1,0 +1,132 @@
+"""How far is each shipped entry from the exhaustive best of its space? (issue: within 2 %)
+
+Method:
+
+1. A seeded random 5 % of the coverage matrix's keys (``rpa_tune.coverage.expected_keys``,
+   ``--fraction``, ``--seed``), drawn once from the whole matrix, so the sample does not
+   depend on what has been generated yet.
+2. Per sampled key whose sweep has run (``tables/generate.sh``'s results): an exhaustive
+   sweep (``--search grid``) of the key's whole candidate list, with the same plan
+   arguments (``rpa_tune.coverage.Sweep.args``: workload, page size, limits), into its own
+   results directory (``--results``, default ``benchmarks/results/exhaustive``): the shipped
+   tables stay the budgeted search's. Resumable; the probes of configs the generation
+   already compiled come from the probe cache, and the sampled buckets of one
+   generation / shape / case share theirs.
+3. Gap = the budgeted search's best metric for the key (the best ``ok`` row of its
+   generation results, same kernel hash and workload as the exhaustive rows) / the
+   exhaustive best - 1. Every metric is the compile backend's audited estimate.
+
+Writes ``benchmarks/results/coverage_check.md``: per key the two bests, the gap, and the
+worst gap; keys whose sweeps have not run yet are listed as pending.
+
+    python benchmarks/coverage_check.py [--run] [--max-keys N] [--jobs 2]
+
+Without ``--run`` it only reports from the results there are.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from rpa_tune import coverage  # noqa: E402
+
+KEY_COLS = ("generation", "case", "q_dtype", "kv_dtype", "num_q_heads", "num_kv_heads", "head_dim", "page_size",
+            "max_num_tokens", "max_model_len", "sliding_window")
+
+
+def sample(fraction: float, seed: int) -> list:
+    keys = coverage.expected_keys()
+    n = max(1, math.ceil(fraction * len(keys)))
+    return sorted(random.Random(seed).sample(keys, n))
+
+
+def sweep_of(key):
+    """The plan's sweep that tunes ``key``."""
+    from rpa_tune.presets import get_preset
+    for sw in coverage.plan():
+        p = get_preset(sw.shape.preset)
+        if (sw.generation, sw.case, sw.page_size, p.num_q_heads, p.num_kv_heads, p.head_dim,
+                sw.shape.kv_dtype or p.kv_dtype, sw.shape.sliding_window is not None) == \
+                (key.generation, key.case, key.page_size, key.num_q_heads, key.num_kv_heads, key.head_dim,
+                 key.kv_dtype, key.sliding_window):
+            return sw
+    raise LookupError(key.id())
+
+
+def rows_of(df, key):
+    m = df["status"] == "ok"
+    for c in KEY_COLS:
+        m &= df[c] == getattr(key, c)
+    return df[m & df["metric"].notna()]
+
+
+def read(path: Path):
+    import pandas as pd
+    from rpa_tune.store import ResultStore
+    return ResultStore(path).read() if path.exists() else pd.DataFrame(columns=list(KEY_COLS) + ["status", "metric"])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--generated", type=Path, default=ROOT / "tables" / "results",
+                    help="results of tables/generate.sh")
+    ap.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results" / "exhaustive")
+    ap.add_argument("--fraction", type=float, default=0.05)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--run", action="store_true", help="run the exhaustive sweeps still missing")
+    ap.add_argument("--max-keys", type=int, default=None, help="--run: at most this many keys this time")
+    ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "coverage_check.md")
+    a = ap.parse_args()
+    keys = sample(a.fraction, a.seed)
+    gen = read(a.generated)
+    ready = [k for k in keys if len(rows_of(gen, k))]
+    if a.run:
+        for k in ready[:a.max_keys]:
+            sw = sweep_of(k)
+            args = sw.args()
+            i = args.index("--buckets")
+            args[i + 1] = str(k.max_num_tokens)
+            cmd = [sys.executable, "-m", "rpa_tune.cli", "sweep", *args, "--backend", "compile", "--search", "grid",
+                   "--budget", "100000", "--jobs", str(a.jobs), "--results", str(a.results)]
+            print("===", k.id(), flush=True)
+            subprocess.run(cmd, cwd=ROOT, stdin=subprocess.DEVNULL, check=False)
+    ex = read(a.results)
+    lines = ["# Budgeted search against the exhaustive best (compile backend, audited estimates)", "",
+             f"Sample: {len(keys)} of {len(coverage.expected_keys())} matrix keys ({a.fraction:.0%}, seed {a.seed}; "
+             "`benchmarks/coverage_check.py`). Gap = budgeted best / exhaustive best - 1, both in one group "
+             "(kernel hash, workload).", "",
+             "| key | candidates | budgeted best (bs, us) | exhaustive best (bs, us) | gap |", "|---|---|---|---|---|"]
+    gaps, pending = [], []
+    for k in keys:
+        g, e = rows_of(gen, k), rows_of(ex, k)
+        if not len(e) or not len(g):
+            pending.append(k)
+            continue
+        e = e[e["kernel_hash"] == e.sort_values("date")["kernel_hash"].iloc[-1]]
+        g = g[(g["kernel_hash"].isin(set(e["kernel_hash"]))) & (g["workload_id"].isin(set(e["workload_id"])))]
+        if not len(g):
+            pending.append(k)
+            continue
+        bg, be = g.loc[g["metric"].idxmin()], e.loc[e["metric"].idxmin()]
+        gap = bg["metric"] / be["metric"] - 1
+        gaps.append(gap)
+        fmt = lambda r: f"({r['bq']}, {r['bkv']}, {r['cq']}, {r['ckv']}) {r['metric'] * 1e6:.1f}"
+        lines.append(f"| {k.id()} | {e[['bq', 'bkv', 'cq', 'ckv']].drop_duplicates().shape[0]} | {fmt(bg)} | "
+                     f"{fmt(be)} | {gap:+.2%} |")
+    lines += ["", f"Checked {len(gaps)} keys; worst gap {max(gaps):+.2%}." if gaps else "No key checked yet.",
+              "", f"Pending ({len(pending)}: sweeps not run yet): " + ", ".join(k.id() for k in pending)]
+    a.out.write_text("\n".join(lines) + "\n")
+    print("\n".join(lines[-3:]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
