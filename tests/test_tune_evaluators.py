@@ -365,3 +365,40 @@ def test_after_a_profiler_crash_the_plain_compile_takes_the_vmem_retries(monkeyp
     assert limits == [32 * MiB, base.raised_vmem_limit(40 * MiB, 32 * MiB, 128 * MiB)]
     assert r.status == "crash" and r.vmem_limit_bytes == limits[-1]
     assert "retried with" in r.message and "compiles without the profiler" in r.message
+
+
+@pytest.mark.parametrize("plain_fits", [True, False])
+def test_a_profiler_only_vmem_oom_is_profiled_again_with_the_vmem_size_override(monkeypatch, plain_fits):
+    """The profiled probes run out of the chip's VMEM (the profiler's HLO temp) at every
+    limit tried: the plain compile decides. It fits: the probes are profiled again with
+    libtpu's VMEM size override at the first limit, and the row is an estimate saying so.
+    It does not: the row is the VMEM OOM (no compile here: both compiles are faked)."""
+    from rpa_tune.estimator import compose
+    lim = ServingLimits(page_size=128, max_num_tokens=512, max_num_seqs=16, max_model_len=8192)
+    t = Task("compile", "v6e", "decode", LLAMA, lim, Workload.of_case("decode", [1], [100]), BlockSizes(1, 512, 1, 256),
+             timeout=60)
+    calls = []
+
+    def fake_probe_config(**kw):
+        calls.append((kw["options"]["vmem_limit_bytes"], kw.get("extra_libtpu_args", "")))
+        if "override_vmem_size_kib" in kw.get("extra_libtpu_args", ""):
+            return {"status": "ok", "model": None, "probes": [{}], "audit": "complete", "reasons": [],
+                    "max_rss_bytes": 1 << 30}
+        return {"status": base.VMEM_OOM, "vmem": {"kind": "capacity", "used_bytes": 150 * MiB,
+                                                 "limit_bytes": 128 * MiB}}
+
+    monkeypatch.setattr(compose, "probe_config", fake_probe_config)
+    monkeypatch.setattr(compose, "model_from_json", lambda m: type("M", (), {"cycles": lambda self, w: 1.0e6})())
+    ev = CompileEvaluator()
+    monkeypatch.setattr(ev, "_plain_compile", lambda task, limit, remaining: {
+        "status": "ok" if plain_fits else base.VMEM_OOM, "vmem": {"kind": "scoped_limit"}})
+    r = ev.evaluate(t)
+    first = calls[0][0]
+    if plain_fits:
+        assert r.status == "ok" and r.vmem_limit_bytes == first and r.metric > 0
+        assert calls[-1] == (first, f"--xla_tpu_override_vmem_size_kib={2 * 128 * 1024}")
+        assert "VMEM size override" in r.message
+        assert not any(a for _, a in calls[:-1])
+    else:
+        assert r.status == "vmem_oom" and r.vmem_reported_bytes == 150 * MiB
+        assert not any(a for _, a in calls)

@@ -263,7 +263,7 @@ PROBE_WORKERS_ENV = "RPA_TUNE_PROBE_WORKERS"
 
 def probe_config(*, builder: str, case: Case | str, bs: BlockSizes, tpu: str, model: dict, limits: dict,
                  options: dict | None = None, timeout: float | None = 600, use_cache: bool = True,
-                 workers: int | None = None, writes_kv_cache: bool = True) -> dict:
+                 workers: int | None = None, writes_kv_cache: bool = True, extra_libtpu_args: str = "") -> dict:
     """Compile and audit every probe of one config; fit its ``CostModel``.
 
     Returns ``{"status", "model" (CostModel JSON), "probes": [{q_lens, kv_lens, cycles,
@@ -276,6 +276,8 @@ def probe_config(*, builder: str, case: Case | str, bs: BlockSizes, tpu: str, mo
     a probe fails no further one starts and those still compiling are killed.
     ``writes_kv_cache``: False for a program lowered without its KV-cache write-back (the
     public kernel, ``rpa_tune.estimator.public``): its audit does not ask for those bytes.
+    ``extra_libtpu_args``: more libtpu flags for the profiled compiles (the VMEM size
+    override, ``rpa_tune.evaluators.compile``); part of the cache key.
     """
     import json
     import time
@@ -303,6 +305,8 @@ def probe_config(*, builder: str, case: Case | str, bs: BlockSizes, tpu: str, mo
             and bs.bkv <= 8 * limits["page_size"])
     if fast:
         doc["profiler"] = "fast_forward"
+    if extra_libtpu_args:
+        doc["libtpu_args"] = extra_libtpu_args
     walk_new = builder != OURS and case == Case.DECODE      # its decode probes differ (pipeline_steps)
     if builder != OURS:
         # its probes' audit counts run-time-sized page DMAs at one page (audit doc), and its
@@ -338,7 +342,7 @@ def probe_config(*, builder: str, case: Case | str, bs: BlockSizes, tpu: str, mo
         w = p.workload(case)
         req = dict(doc, workload=dict(q_lens=list(w.q_lens), kv_lens=list(w.kv_lens),
                                       distribution=list(w.distribution)), block_sizes=list(bs))
-        for k in ("builder", "bs", "profiler", "walk_new", "public_audit"):
+        for k in ("builder", "bs", "profiler", "walk_new", "public_audit", "libtpu_args"):
             req.pop(k, None)
         # A decode probe of two full steps is longer than a key's max_model_len when bkv is
         # half of it (bkv 4096 at 8K): the probe's limits admit it. max_model_len only sizes
@@ -355,7 +359,7 @@ def probe_config(*, builder: str, case: Case | str, bs: BlockSizes, tpu: str, mo
         def attempt(forward: bool):
             left = None if deadline is None else max(1.0, deadline - time.monotonic())
             r = profiler.profile(builder, req, timeout=left, expect_kernel_hash=source, fast_forward=forward,
-                                 cancel=failed)
+                                 cancel=failed, extra_libtpu_args=extra_libtpu_args)
             spent["max_rss_bytes"] = max(spent["max_rss_bytes"], r.get("max_rss_bytes") or 0)
             spent["compile_s"] += (r.get("lower_s") or 0.0) + (r.get("compile_s") or 0.0)
             a = (audit_mod.audit_trace(TraceStats.from_json(r["trace"]), need, cal, page_bytes)

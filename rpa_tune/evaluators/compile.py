@@ -19,6 +19,12 @@ Per config:
    the cycles imply is physically possible; ``incomplete`` rows never win.
 4. When the static profiler crashes (a libtpu abort in the child), the config is compiled
    without the profiler in this worker to still get the VMEM verdict.
+5. A profiled program needs more VMEM than the same program compiled plainly (the
+   profiler's "HLO temp", tens of MiB on TPU7x: docs/estimator.md). When the profiled
+   probes still run out of the chip's VMEM after the limit retries, the plain compile of
+   the config decides (it is the VMEM judge); if it fits, the probes are profiled again
+   with libtpu's VMEM size override (``VMEM_OVERRIDE_FLAG``, twice the capacity), which
+   changes no cycle where both compile (docs/estimator.md).
 
 The task's kernel (``rpa_tune.kernels``) picks the program: ours, or tpu-inference's RPA v3
 through ``rpa_tune.estimator.public`` (its first scoped VMEM limit is that lowering's
@@ -60,7 +66,7 @@ class CompileEvaluator(Evaluator):
         kind = f"deviceless {get_generation(task.generation).device_kind}"
         notes = []
         compile_fn = self._estimate if self.profile else self._plain_compile
-        tried = {limit}
+        tried, first_limit = {limit}, limit
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 1:
@@ -71,6 +77,15 @@ class CompileEvaluator(Evaluator):
             if new is None:
                 break
             limit = new
+        if (r["status"] == base.VMEM_OOM and self.profile and (r.get("vmem") or {}).get("kind") == "capacity"
+                and deadline - time.monotonic() > 1):
+            plain = self._plain_compile(task, first_limit, deadline - time.monotonic())
+            if plain["status"] == "ok":
+                notes.append(f"the profiled compile ran out of VMEM where the plain compile fits at limit "
+                             f"{first_limit}: profiled with the VMEM size override")
+                limit = first_limit
+                r = self._estimate(task, limit, deadline - time.monotonic(),
+                                   extra_libtpu_args=f"{VMEM_OVERRIDE_FLAG}={2 * cap // 1024}")
         compile_s = (r.get("lower_s") or 0.0) + (r.get("compile_s") or 0.0) or None
         common = dict(vmem_limit_bytes=limit, device_kind=kind, compile_s=compile_s)
         status = r["status"]
@@ -96,6 +111,7 @@ class CompileEvaluator(Evaluator):
                               audit=verdict, clock_hz=t["clock_hz"], clock_source=t["clock_source"],
                               samples=1, message="; ".join(notes), **common)
         if status == base.VMEM_OOM:
+            vm = r.get("vmem") or {}
             return EvalResult(base.VMEM_OOM, self.method, vmem_reported_bytes=vm.get("used_bytes"),
                               message="; ".join(notes + [f"{vm.get('kind')}: used {vm.get('used_bytes')} "
                                                          f"of {vm.get('limit_bytes')}"]), **common)
@@ -108,7 +124,7 @@ class CompileEvaluator(Evaluator):
                           message="; ".join(notes + [_tail(r.get("message", ""))]), **common)
 
     # -- steps ----------------------------------------------------------------------
-    def _estimate(self, task: Task, limit: int, remaining: float) -> dict:
+    def _estimate(self, task: Task, limit: int, remaining: float, extra_libtpu_args: str = "") -> dict:
         import dataclasses
         from rpa_tune.estimator import compose
         from ..kernels import get_kernel
@@ -116,7 +132,8 @@ class CompileEvaluator(Evaluator):
         r = compose.probe_config(builder=kern.builder, writes_kv_cache=kern.writes_kv_cache, case=task.case, bs=task.bs,
                                  tpu=task.generation, model=dataclasses.asdict(task.model),
                                  limits=dataclasses.asdict(task.limits),
-                                 options=_options(task, limit), timeout=remaining)
+                                 options=_options(task, limit), timeout=remaining,
+                                 extra_libtpu_args=extra_libtpu_args)
         return r
 
     def _plain_compile(self, task: Task, limit: int, remaining: float) -> dict:
@@ -180,6 +197,7 @@ class CompileEvaluator(Evaluator):
             notes + [why + " (the config compiles without the profiler: VMEM fits)"]), **common)
 
 
+VMEM_OVERRIDE_FLAG = "--xla_tpu_override_vmem_size_kib"
 _NOISE = ("could not determine TPU accelerator type", "Failed to find host bounds")
 
 
