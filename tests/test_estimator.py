@@ -604,3 +604,23 @@ def test_warm_profiler_children_give_a_new_childs_results_and_are_reused(monkeyp
     assert children == [child]                   # the crashed child is gone, the first one kept
     profiler._Warm.close_all()
     assert child.proc.poll() is not None and not os.path.exists(child.dir)
+
+
+@pytest.mark.parametrize("page", [128, 256])
+def test_every_decode_config_has_a_probe_ending_in_a_partial_chunk(page):
+    """Nearly every served sequence ends in a partial chunk; a config whose probes never do
+    leaves that cost to the fit (it priced v5e (1, 4096, 1, 256) at page 256 at 16x the
+    other configs). Every decode candidate of the shipped spaces has such a probe, and one
+    without."""
+    from rpa_tune.space import load_space
+    seen = 0
+    for gen in ("v5e", "v6e", "tpu7x"):
+        for bs in load_space(gen).for_case("decode").product():
+            bs = BlockSizes(*bs)
+            if bs.bkv % page or bs.ckv % page or bs.bkv % bs.ckv:
+                continue
+            flags = {st[3] for p in compose.probes("decode", bs, page)
+                     for st in compose.pipeline_steps(bs, page, p.kv_lens)}
+            assert flags == {True, False}, (gen, bs, page)
+            seen += 1
+    assert seen > 50

@@ -59,6 +59,12 @@ def probes(case: Case | str, bs: BlockSizes, page_size: int, skip_dead_chunks: b
         part = ckv + P if ckv + P < bkv else max(P, (bkv // 2) // P * P + P)
         mid = min(bkv, 3 * P)
         shapes = [(4, P), (8, P), (4, min(part, bkv)), (4, mid), (4, bkv), (8, bkv), (4, 2 * bkv), (5, 2 * bkv)]
+        if partial_chunk_probe(bs, P):
+            # every length above is a whole number of chunks when ckv == P: without this probe
+            # no step ends in a partial chunk and its cost (``pipeline_cycles``: "partial"),
+            # which nearly every served sequence pays, was left to the fit's whim (56k
+            # cycles a sequence for v5e (1, 4096, 1, 256) at page 256, 30x the probes' own)
+            shapes.append((4, ckv + max(1, P // 2)))
         seen, out = set(), []
         for n, ctx in shapes:
             n *= bq         # groups of bq sequences (kernel.steps.decode_steps)
@@ -76,6 +82,11 @@ def probes(case: Case | str, bs: BlockSizes, page_size: int, skip_dead_chunks: b
     return [Probe(*zip(*s)) for s in (
         one, [(bq, bq + bkv)], third, [(2 * bq, 2 * bq)], one * 2, [(bq, bq + P)],
         [(bq, bq + bkv + P)])]
+
+
+def partial_chunk_probe(bs: BlockSizes, page_size: int) -> bool:
+    """Whether a decode config needs the probe whose last chunk is partial (``probes``)."""
+    return bs.ckv == page_size
 
 
 PROBE_MIN_TOKENS = 2048   # the token bucket probes are compiled at, unless one needs more
@@ -305,6 +316,8 @@ def probe_config(*, builder: str, case: Case | str, bs: BlockSizes, tpu: str, mo
             and bs.bkv <= 8 * limits["page_size"])
     if fast:
         doc["profiler"] = "fast_forward"
+    if case == Case.DECODE and partial_chunk_probe(bs, limits["page_size"]):
+        doc["partial_probe"] = True             # (the others' probes, and cache keys, are unchanged)
     if extra_libtpu_args:
         doc["libtpu_args"] = extra_libtpu_args
     walk_new = builder != OURS and case == Case.DECODE      # its decode probes differ (pipeline_steps)
@@ -342,7 +355,7 @@ def probe_config(*, builder: str, case: Case | str, bs: BlockSizes, tpu: str, mo
         w = p.workload(case)
         req = dict(doc, workload=dict(q_lens=list(w.q_lens), kv_lens=list(w.kv_lens),
                                       distribution=list(w.distribution)), block_sizes=list(bs))
-        for k in ("builder", "bs", "profiler", "walk_new", "public_audit", "libtpu_args"):
+        for k in ("builder", "bs", "profiler", "walk_new", "public_audit", "libtpu_args", "partial_probe"):
             req.pop(k, None)
         # A decode probe of two full steps is longer than a key's max_model_len when bkv is
         # half of it (bkv 4096 at 8K): the probe's limits admit it. max_model_len only sizes

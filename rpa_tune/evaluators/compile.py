@@ -43,7 +43,7 @@ from .base import EvalResult, Evaluator, Task
 class CompileEvaluator(Evaluator):
     name = "compile"
     method = "estimate"
-    version = "3"
+    version = "4"     # 4: decode probes price a partial last chunk when ckv == page_size
 
     def __init__(self, *, profile: bool = True):
         self.profile = profile   # False: VMEM verdict only (plain compile, no estimate)
