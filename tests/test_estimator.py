@@ -625,3 +625,23 @@ def test_every_decode_config_has_a_probe_ending_in_a_partial_chunk(page):
             assert flags == {True, False}, (gen, bs, page)
             seen += 1
     assert seen > 50
+
+
+def test_at_most_a_few_warm_profiler_children_stay_idle(monkeypatch):
+    """Every environment gets its own warm child; the least recently used idle ones are
+    closed, so a long test session or sweep keeps at most WARM_MAX_IDLE of them."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv(profiler.WARM_ENV, "1")
+    profiler._Warm.close_all()
+    made = []
+    for i in range(profiler.WARM_MAX_IDLE + 2):
+        monkeypatch.setenv("RPA_TEST_ENV_MARK", str(i))         # another environment each time
+        r = profiler.profile("tune_fakes:compile_error_builder", {}, timeout=120)
+        assert r["status"] == "compile_error", r
+        made.extend(w for idle in profiler._Warm._idle.values() for w in idle if w not in made)
+    idle = [w for xs in profiler._Warm._idle.values() for w in xs]
+    assert len(made) == profiler.WARM_MAX_IDLE + 2 and len(idle) == profiler.WARM_MAX_IDLE
+    assert idle == made[-profiler.WARM_MAX_IDLE:]
+    assert all(w.proc.poll() is not None for w in made[:2])
+    profiler._Warm.close_all()

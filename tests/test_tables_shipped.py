@@ -45,6 +45,20 @@ def test_shipped_tables_cover_three_generations_cases_and_presets():
     assert not missing, missing
 
 
+def test_shipped_tables_hold_every_key_the_coverage_claims():
+    """rpa_tune.coverage.COMPLETE: every key of each (generation, shape) it lists, all cases,
+    page sizes and token buckets, has an entry in the shipped tables (promoted or not)."""
+    from rpa_tune import coverage
+    names = {s.name for s in coverage.SHAPES}
+    assert all(g in coverage.ESTIMABLE and n in names for g, n in coverage.COMPLETE), coverage.COMPLETE
+    keys = {e.key for p in FILES for e in kt.Table.read(p).entries}
+    claimed = [sw for sw in coverage.plan() if (sw.generation, sw.shape.name) in coverage.COMPLETE]
+    want = coverage.expected_keys(claimed)
+    assert len(want) == len(claimed) * len(coverage.BUCKETS)
+    missing = [k.id() for k in want if k not in keys]
+    assert not missing, missing
+
+
 def test_shipped_tables_load_without_problems(monkeypatch, caplog):
     for var in ("RPA_TABLE", "RPA_SHIPPED_TABLES", "RPA_TABLE_STRICT"):
         monkeypatch.delenv(var, raising=False)

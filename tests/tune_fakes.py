@@ -101,3 +101,13 @@ def no_kernel_builder(**_):
     """Lowers nothing: the child's compile makes no kernel, so no profile, and it reports
     as usual (with the kernel source hash it saw)."""
     return _NothingToCompile(), "no_such_kernel"
+
+
+class _RejectedByTheCompiler:
+    def compile(self):
+        raise RuntimeError("INVALID_ARGUMENT: a compiler verdict on the config")
+
+
+def compile_error_builder(**_):
+    """A program the compiler rejects (a verdict: the child that compiled it stays usable)."""
+    return _RejectedByTheCompiler(), "rpa_"

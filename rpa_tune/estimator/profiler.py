@@ -55,6 +55,7 @@ DEFAULT_RSS_CAP_GB = 3.0
 CANCELLED = "cancelled"
 WARM_ENV = "RPA_TUNE_PROFILER_WARM"
 WARM_MAX_REQUESTS = 40
+WARM_MAX_IDLE = 2        # idle children kept per process (the least recently used go first)
 
 
 def libtpu_env(env=None) -> dict:
@@ -248,6 +249,7 @@ class _Warm:
                                      stdin=subprocess.PIPE, stdout=self.err, stderr=self.err, text=True,
                                      env=env, cwd=root, start_new_session=True)
         self.served = 0
+        self.last_used = time.monotonic()
 
     @classmethod
     def run(cls, builder, request, *, bundles, extra, fast_forward, timeout, cap, cancel) -> dict:
@@ -260,11 +262,17 @@ class _Warm:
         if w is None or w.proc.poll() is not None:
             w = cls(flags)
         result, reusable = w._serve(builder, request, bundles, timeout, cap, cancel)
+        retired = [w]
         if reusable and w.served < WARM_MAX_REQUESTS and _rss_bytes(w.proc.pid) < cap // 2:
             with cls._lock:
                 cls._idle.setdefault(flags, []).append(w)
-        else:
-            w.close()
+                w.last_used = time.monotonic()
+                idle = sorted((x for xs in cls._idle.values() for x in xs), key=lambda x: x.last_used)
+                retired = idle[:max(0, len(idle) - WARM_MAX_IDLE)]
+                for x in retired:
+                    cls._idle[x.flags].remove(x)
+        for x in retired:
+            x.close()
         return result
 
     def _empty(self) -> None:
