@@ -444,6 +444,22 @@ def note_row(outcome: Outcome, row: dict) -> None:
         outcome.heuristic_row = row
 
 
+def sibling_configs(spec: SweepSpec, ctx: SweepContext, recorded: dict) -> list[BlockSizes]:
+    """The configs evaluated ``ok`` for the same key at other token buckets (same kernel,
+    kernel hash, backend and evaluator version; any workload), best first: a
+    sweep over several buckets (``--buckets``) seeds each bucket's search with them
+    (``rpa_tune.search``), since the compile backend prices them from cached probes."""
+    fam = {k: v for k, v in spec.key.as_dict().items() if k != "max_num_tokens"}
+    rows = [r for r in recorded.values()
+            if r.get("status") == base.OK and r.get("metric") is not None
+            and r.get("max_num_tokens") != spec.key.max_num_tokens
+            and all(r.get(k) == v for k, v in fam.items())
+            and r.get("backend") == spec.backend and r.get("evaluator_version") == ctx.ev_version
+            and r.get("kernel_hash") == ctx.prov.get("kernel_hash") and r.get("kernel") == ctx.kernel.name]
+    rows.sort(key=lambda r: r["metric"])
+    return list(dict.fromkeys(BlockSizes(int(r["bq"]), int(r["bkv"]), int(r["cq"]), int(r["ckv"])) for r in rows))
+
+
 def make_task(spec: SweepSpec, plan: Plan, bs: BlockSizes) -> Task:
     return Task(backend=spec.backend, generation=spec.generation, case=spec.case.value,
                 model=spec.model, limits=spec.limits, workload=spec.workload, bs=bs,
@@ -458,12 +474,18 @@ def run_sweep(spec: SweepSpec, store: ResultStore, *, events: Events | None = No
     t_start = time.monotonic()
     plan = plan_sweep(spec)
     outcome = Outcome(spec, plan, counts={s: 0 for s in base.STATUSES})
-    search = make_search(spec.search, plan.candidates, budget=spec.budget, seed=spec.seed,
-                         first=plan.heuristic, patience=spec.patience, jobs=spec.jobs)
-    outcome.search_note = search.fallback
-    total = min(spec.budget, len(plan.candidates))
     ctx = sweep_context(spec)
     recorded = store.recorded()
+    seeds = sibling_configs(spec, ctx, recorded)
+    search = make_search(spec.search, plan.candidates, budget=spec.budget, seed=spec.seed,
+                         first=plan.heuristic, patience=spec.patience, jobs=spec.jobs, seeds=seeds)
+    outcome.search_note = search.fallback
+    if search.seeds:
+        outcome.search_note = "; ".join(x for x in (outcome.search_note, (
+            f"{len(search.seeds)} configs evaluated at other token buckets of the key first (outside the "
+            "budget)")) if x)
+    limit = spec.budget + len(search.seeds)
+    total = min(limit, len(plan.candidates))
     sweep_id = uuid.uuid4().hex[:12]
     events.start(spec, plan, total)
     asked = 0
@@ -473,7 +495,7 @@ def run_sweep(spec: SweepSpec, store: ResultStore, *, events: Events | None = No
     try:
         while True:
             # hand out work while there is budget and a free worker
-            while not exhausted and asked < spec.budget and pool.free_slots() > 0 and not search.should_stop():
+            while not exhausted and asked < limit and pool.free_slots() > 0 and not search.should_stop():
                 bs = search.ask()
                 if bs is None:
                     exhausted = True
@@ -503,7 +525,7 @@ def run_sweep(spec: SweepSpec, store: ResultStore, *, events: Events | None = No
             outcome.stop_reason = "no candidate passed the legality rules, size caps and VMEM pre-filter"
         elif search.stop_reason:
             outcome.stop_reason = search.stop_reason
-        elif asked >= spec.budget and len(plan.candidates) > spec.budget:
+        elif asked >= limit and len(plan.candidates) > limit:
             outcome.stop_reason = f"budget of {spec.budget} evaluations reached"
         else:
             outcome.stop_reason = "every candidate evaluated"

@@ -18,6 +18,11 @@ asked first by every strategy so that every sweep measures the default it improv
   row have not improved the best metric by more than 0.5%. When the space has no more
   candidates than the budget, TPE runs ``grid`` instead (exhaustive is then cheaper).
 
+``seeds``: configs asked right after the heuristic and outside the budget: the engine
+passes the configs a sweep of the same key at another token bucket evaluated (their
+compiles are cached, so pricing them again costs next to nothing), and TPE learns from
+them before its own proposals. They do not count towards ``patience`` either.
+
 Same seed and same outcomes give the same order (with one job; parallel jobs change the
 order in which outcomes reach TPE). Resuming replays the recorded outcomes through
 ``tell`` in ask order, so an interrupted TPE sweep continues where it stopped.
@@ -39,11 +44,13 @@ class Search:
     name = ""
 
     def __init__(self, candidates, *, budget: int, seed: int = 0, first: BlockSizes | None = None,
-                 patience: int = 0):
+                 patience: int = 0, seeds=()):
         self.candidates = [BlockSizes(*c) for c in candidates]
         self.budget = int(budget)
         self.seed = int(seed)
         self.first = first if first in set(self.candidates) else None
+        cands = set(self.candidates)
+        self.seeds = list(dict.fromkeys(b for b in map(BlockSizes.coerce, seeds) if b in cands and b != self.first))
         self.patience = int(patience)
         self.best = math.inf
         self.since_best = 0
@@ -54,6 +61,10 @@ class Search:
         raise NotImplementedError
 
     def tell(self, bs: BlockSizes, status: str, metric: float | None) -> None:
+        if bs in self.seeds:          # free: only the best moves
+            if status == "ok" and metric is not None and math.isfinite(metric):
+                self.best = min(self.best, metric)
+            return
         if status == "ok" and metric is not None and math.isfinite(metric):
             if metric < self.best * (1 - IMPROVEMENT):
                 self.best = metric
@@ -69,11 +80,8 @@ class Search:
         return False
 
     def _ordered(self, order) -> list[BlockSizes]:
-        order = list(order)
-        if self.first is not None:
-            order.remove(self.first)
-            order.insert(0, self.first)
-        return order
+        head = ([self.first] if self.first is not None else []) + self.seeds
+        return head + [b for b in order if b not in set(head)]
 
 
 class GridSearch(Search):
@@ -122,8 +130,8 @@ class TpeSearch(Search):
         self._trials: dict[BlockSizes, object] = {}   # in flight
         self._seen: dict[BlockSizes, tuple] = {}       # told outcomes
         self._rng = np.random.default_rng([self.seed, 29])
-        if self.first is not None:
-            self.study.enqueue_trial(self.first._asdict())
+        for bs in ([self.first] if self.first is not None else []) + self.seeds:
+            self.study.enqueue_trial(bs._asdict())
 
     def _params(self, trial) -> BlockSizes:
         with warnings.catch_warnings():
@@ -174,15 +182,19 @@ class TpeSearch(Search):
 
 
 def make_search(kind: str, candidates, *, budget: int, seed: int = 0, first=None, patience: int = 0,
-                jobs: int = 1) -> Search:
-    """A search of ``kind``; ``tpe`` becomes ``grid`` when the candidates fit in the budget."""
+                jobs: int = 1, seeds=()) -> Search:
+    """A search of ``kind``; ``tpe`` becomes ``grid`` when the candidates fit in the budget
+    (plus the seeds, which are outside it)."""
     if kind not in SEARCHES:
         raise ValueError(f"unknown search {kind!r}; valid: {SEARCHES}")
-    if kind == "grid" or (kind == "tpe" and len(candidates) <= budget):
-        s = GridSearch(candidates, budget=budget, seed=seed, first=first)
+    cands = set(map(BlockSizes.coerce, candidates))
+    free = len({BlockSizes.coerce(b) for b in seeds if BlockSizes.coerce(b) in cands} - {first})
+    if kind == "grid" or (kind == "tpe" and len(candidates) <= budget + free):
+        s = GridSearch(candidates, budget=budget, seed=seed, first=first, seeds=seeds)
         if kind == "tpe":
             s.fallback = f"tpe -> grid: {len(candidates)} candidates fit in the budget of {budget}"
         return s
     if kind == "random":
-        return RandomSearch(candidates, budget=budget, seed=seed, first=first, patience=0)
-    return TpeSearch(candidates, budget=budget, seed=seed, first=first, patience=patience, jobs=jobs)
+        return RandomSearch(candidates, budget=budget, seed=seed, first=first, patience=0, seeds=seeds)
+    return TpeSearch(candidates, budget=budget, seed=seed, first=first, patience=patience, jobs=jobs,
+                     seeds=seeds)

@@ -121,7 +121,7 @@ def outcome_dict(o: Outcome) -> dict:
     return extra | dict(key=o.spec.key.as_dict(), key_id=o.spec.key_id, kernel=o.spec.kernel, workload=o.spec.workload_desc,
                 backend=o.spec.backend, evaluated=o.evaluated, resumed=o.resumed,
                 counts={k: v for k, v in o.counts.items() if v}, stop_reason=o.stop_reason,
-                interrupted=o.interrupted, elapsed_s=round(o.elapsed_s, 3),
+                search_note=o.search_note, interrupted=o.interrupted, elapsed_s=round(o.elapsed_s, 3),
                 best=None if not b else dict(block_sizes=_bs_list(b), metric=b.get("metric")),
                 heuristic=None if not h else dict(block_sizes=_bs_list(h), metric=h.get("metric"),
                                                    status=h.get("status")),

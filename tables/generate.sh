@@ -9,15 +9,17 @@
 #   3. rpa-tune export --results tables/results --out tables (REPLACE=1 adds --replace: the
 #      tables then hold only these results' keys).
 # Knobs (env): GENS="v6e tpu7x" SHAPES="llama3-8b,qwen3-32b-tp4" CASES="decode prefill"
-#   (subsets of the plan; default all), DECODE_BUDGET=30 BUDGET=24 (configs per key; a
-#   space no larger than its budget is swept whole), JOBS=2, TIMEOUT=900 (s per config),
+#   (subsets of the plan; default all), DECODE_BUDGET=30 BUDGET=12 (new configs per key; a
+#   space no larger than its budget is swept whole; each bucket after the first also
+#   evaluates, outside its budget, every config the earlier buckets evaluated, priced from
+#   their cached probes), JOBS=2, TIMEOUT=900 (s per config),
 #   EXPORT=0 (sweep only).
 # Wall time on the 2-core, 24 GB machine the shipped tables came from: see tables/README.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}
 DECODE_BUDGET=${DECODE_BUDGET:-30}
-BUDGET=${BUDGET:-24}
+BUDGET=${BUDGET:-12}
 JOBS=${JOBS:-2}
 TIMEOUT=${TIMEOUT:-900}
 RESULTS=tables/results

@@ -275,3 +275,24 @@ def test_soft_cap_sweep_runs_the_kernel_capped_and_keeps_its_rows_apart(tmp_path
     assert len(set(df["workload_id"])) == 2
     r = run(base + ["--soft-cap", "0"], env=env)
     assert r.returncode == 2 and "--soft-cap" in r.stderr
+
+
+def test_each_bucket_starts_from_the_configs_the_earlier_buckets_evaluated(tmp_path):
+    """`--buckets`: the compile backend prices a config at every bucket from the same cached
+    probes, so each bucket's search first evaluates what the earlier buckets of the key
+    evaluated (outside the budget), then its own budget of new proposals."""
+    import pandas as pd
+    res = tmp_path / "results"
+    env = {"RPA_TUNE_EVALUATOR_OVERRIDE": "tune_fakes:make_evaluator", "RPA_TUNE_KERNEL_HASH": "cli-seeds",
+           "PYTHONPATH": TESTS + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    r = run(["sweep", "--tpu", "v6e", "--case", "prefill", "--model", "llama3-70b-tp8", "--backend", "compile",
+             "--search", "tpe", "--budget", "6", "--patience", "0", "--jobs", "1", "--buckets", "512,1024",
+             "--results", str(res), "--json"], env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    df = pd.read_parquet(res)
+    cfg = lambda d: set(map(tuple, d[["bq", "bkv", "cq", "ckv"]].to_numpy().tolist()))
+    small, big = cfg(df[df["max_num_tokens"] == 512]), cfg(df[df["max_num_tokens"] == 1024])
+    # every config of the first bucket, then the second one's budget (its heuristic included)
+    assert len(small) == 6 and small < big and len(big - small) in (5, 6)
+    doc = json.loads(r.stdout)
+    assert "configs evaluated at other token buckets" in doc[1]["search_note"] and not doc[0]["search_note"]

@@ -101,3 +101,19 @@ def test_resume_replay_reproduces_tpe_order():
 def test_unknown_search():
     with pytest.raises(ValueError, match="unknown search 'annealing'"):
         make_search("annealing", DECODE, budget=3)
+
+
+@pytest.mark.parametrize("kind", ["tpe", "random", "grid"])
+def test_seeds_come_after_the_heuristic_and_outside_the_budget(kind):
+    """Configs another token bucket of the key evaluated (the engine's seeds) are asked
+    right after the heuristic, in their order, without using the budget or the patience."""
+    first, seeds = PREFILL[3], [PREFILL[40], PREFILL[3], PREFILL[7], PREFILL[40]]
+    s = make_search(kind, PREFILL, budget=12, seed=1, first=first, patience=3, seeds=seeds)
+    assert s.seeds == [PREFILL[40], PREFILL[7]]                      # the heuristic and repeats dropped
+    worst = lambda bs: 1.0 if bs in (PREFILL[40], PREFILL[7]) else fake_metric(bs)
+    asked = drive(s, 12 + len(s.seeds), objective=worst)
+    assert asked[:3] == [first, PREFILL[40], PREFILL[7]]
+    assert len(set(asked)) == len(asked)
+    if kind != "grid":
+        # two seeds that improve nothing did not count towards the patience of 3
+        assert len(asked) > 4
