@@ -35,6 +35,11 @@ NEEDS_A_DEVICE = {
 }
 ESTIMABLE = tuple(g for g in GENERATIONS if g not in NEEDS_A_DEVICE)
 BUCKETS = (128, 256, 512, 1024, 2048, 4096, 8192)
+# Buckets whose search proposes new configs; the others are filled from what these
+# evaluated (``rpa_tune.engine.sibling_configs``: priced from cached probes) plus their
+# heuristic, so a shape costs the compiles of three buckets' searches, not seven.
+EXPLORE_BUCKETS = (128, 2048, 8192)
+FILL_BUCKETS = tuple(t for t in BUCKETS if t not in EXPLORE_BUCKETS)
 MAX_MODEL_LEN = 8192
 MAX_NUM_SEQS = 128
 GEMMA2_SOFT_CAP = 50.0
@@ -87,22 +92,33 @@ SWEEP_WORKLOAD = {"decode": ["--num-seqs", "64"], "prefill": ["--chunk", "1024",
 
 @dataclasses.dataclass(frozen=True)
 class Sweep:
-    """One ``rpa-tune sweep`` of the plan: every bucket of one generation, shape, case and
-    page size (the buckets share their configs' probe compiles)."""
+    """One ``rpa-tune sweep`` of the plan: buckets of one generation, shape, case and page
+    size (the buckets share their configs' probe compiles). ``role``: ``explore`` (a
+    search with the budget) or ``fill`` (the heuristic and the explored configs only:
+    ``--budget 1``), run after the explore sweep of the same key."""
     generation: str
     shape: Shape
     case: str
     page_size: int
+    buckets: tuple = BUCKETS
+    role: str = "explore"
 
     def args(self) -> list[str]:
         return (["--tpu", self.generation, "--case", self.case] + self.shape.sweep_args()
                 + ["--page-size", str(self.page_size), "--max-model-len", str(MAX_MODEL_LEN),
-                   "--max-num-seqs", str(MAX_NUM_SEQS), "--buckets", ",".join(map(str, BUCKETS))]
+                   "--max-num-seqs", str(MAX_NUM_SEQS), "--buckets", ",".join(map(str, self.buckets))]
                 + SWEEP_WORKLOAD[self.case])
 
 
 def plan(generations=ESTIMABLE, shapes=SHAPES, cases=CASES) -> list[Sweep]:
-    return [Sweep(g, s, c, p) for s in shapes for g in generations for c in cases for p in s.page_sizes]
+    out = []
+    for s in shapes:
+        for g in generations:
+            for c in cases:
+                for p in s.page_sizes:
+                    out.append(Sweep(g, s, c, p, EXPLORE_BUCKETS, "explore"))
+                    out.append(Sweep(g, s, c, p, FILL_BUCKETS, "fill"))
+    return out
 
 
 def expected_keys(sweeps: list | None = None) -> list:
@@ -112,7 +128,7 @@ def expected_keys(sweeps: list | None = None) -> list:
     keys = []
     for sw in plan() if sweeps is None else sweeps:
         p = get_preset(sw.shape.preset)
-        for t in BUCKETS:
+        for t in sw.buckets:
             keys.append(TuningKey(sw.generation, sw.case, p.q_dtype, sw.shape.kv_dtype or p.kv_dtype,
                                   p.num_q_heads, p.num_kv_heads, p.head_dim, sw.page_size, t,
                                   MAX_MODEL_LEN, sw.shape.sliding_window is not None))
@@ -121,7 +137,7 @@ def expected_keys(sweeps: list | None = None) -> list:
 
 def main(argv: list[str]) -> int:
     """``python -m rpa_tune.coverage plan [--gen G] [--shape NAME] [--case C]`` (each
-    repeatable): one line of sweep arguments per sweep of the plan."""
+    repeatable): one line per sweep of the plan: its role, then its sweep arguments."""
     import argparse
     ap = argparse.ArgumentParser(prog="python -m rpa_tune.coverage")
     ap.add_argument("command", choices=["plan"])
@@ -136,7 +152,7 @@ def main(argv: list[str]) -> int:
               file=sys.stderr)
         return 2
     for sw in plan(generations=gens, shapes=shapes, cases=tuple(a.case or CASES)):
-        print(shlex.join(sw.args()))
+        print(sw.role, shlex.join(sw.args()))
     return 0
 
 

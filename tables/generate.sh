@@ -12,7 +12,9 @@
 #   (subsets of the plan; default all), DECODE_BUDGET=30 BUDGET=12 (new configs per key; a
 #   space no larger than its budget is swept whole; each bucket after the first also
 #   evaluates, outside its budget, every config the earlier buckets evaluated, priced from
-#   their cached probes), JOBS=2, TIMEOUT=900 (s per config),
+#   their cached probes). Only the explore buckets (rpa_tune/coverage.py: 128, 2048, 8192)
+#   search; the others ("fill" sweeps, --budget 1) evaluate their heuristic and what the
+#   explore buckets evaluated. JOBS=2, TIMEOUT=900 (s per config),
 #   EXPORT=0 (sweep only).
 # Wall time on the 2-core, 24 GB machine the shipped tables came from: see tables/README.md.
 set -euo pipefail
@@ -32,12 +34,13 @@ plan=$($PY -m rpa_tune.coverage plan "${filters[@]}")
 start=$(date +%s)
 n=$(printf '%s\n' "$plan" | grep -c .)
 i=0
-while IFS= read -r line; do
+while IFS= read -r role line; do
   i=$((i + 1))
   eval "args=($line)"
   b=$BUDGET
   [ "${args[3]}" = decode ] && b=$DECODE_BUDGET
-  echo "=== [$i/$n] sweep $line --budget $b ($(( ($(date +%s) - start) / 60 )) min so far)"
+  [ "$role" = fill ] && b=1
+  echo "=== [$i/$n] $role: sweep $line --budget $b ($(( ($(date +%s) - start) / 60 )) min so far)"
   $PY -m rpa_tune.cli sweep "${args[@]}" --backend compile --budget "$b" --jobs "$JOBS" \
     --timeout "$TIMEOUT" --results "$RESULTS" </dev/null \
     || echo "sweep [$i/$n] failed (exit $?); continuing"
