@@ -16,7 +16,8 @@
 #   search; the others ("fill" sweeps, --budget 1) evaluate their heuristic and what the
 #   explore buckets evaluated. JOBS=2, TIMEOUT=900 (s per config),
 #   EXPORT=0 (sweep only).
-# Wall time on the 2-core, 24 GB machine the shipped tables came from: see tables/README.md.
+# Wall time on the 2-core, 24 GB machine the shipped tables came from: docs/tables.md
+# ("What is shipped").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}
