@@ -110,7 +110,7 @@ def main() -> int:
         if not len(e) or not len(g):
             pending.append(k)
             continue
-        e = e[e["kernel_hash"] == e.sort_values("date")["kernel_hash"].iloc[-1]]
+        e = e[e["kernel_hash"] == e.sort_values("timestamp")["kernel_hash"].iloc[-1]]
         g = g[(g["kernel_hash"].isin(set(e["kernel_hash"]))) & (g["workload_id"].isin(set(e["workload_id"])))]
         if not len(g):
             pending.append(k)
