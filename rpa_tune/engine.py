@@ -448,7 +448,10 @@ def sibling_configs(spec: SweepSpec, ctx: SweepContext, recorded: dict) -> list[
     """The configs evaluated ``ok`` for the same key at other token buckets (same kernel,
     kernel hash, backend and evaluator version; any workload), best first: a
     sweep over several buckets (``--buckets``) seeds each bucket's search with them
-    (``rpa_tune.search``), since the compile backend prices them from cached probes."""
+    (``rpa_tune.search``), since the compile backend prices them from cached probes. Other
+    backends pay for every evaluation (a device run, an interpretation): none for them."""
+    if spec.backend != "compile":
+        return []
     fam = {k: v for k, v in spec.key.as_dict().items() if k != "max_num_tokens"}
     rows = [r for r in recorded.values()
             if r.get("status") == base.OK and r.get("metric") is not None
