@@ -33,7 +33,7 @@ from kernel.config import GENERATIONS, Case, TuningKey
 from .report import Group, winners, wrong_configs
 
 MARKER = ".rpa-tune-report"
-COVERAGE_STATES = ("tuned", "not promoted", "missing")
+COVERAGE_STATES = ("tuned", "not promoted", "stale", "missing")
 CASES = tuple(c.value for c in Case)
 FAILED_COLOR = "#b0b0b0"
 WINNER_COLOR = "#e8112d"
@@ -163,14 +163,18 @@ def shape_name(shape: tuple) -> str:
 
 def coverage(df, entries, sections=()) -> Coverage:
     """Generation x model shape x case x token bucket of our kernel: ``tuned`` when the
-    tables hold a promoted entry for it, ``not promoted`` when results or a non-promoted
-    entry exist but no promoted one, else ``missing``. Rows: the shapes of the shipped
+    tables hold a promoted entry for it tuned for the current kernel source, ``not
+    promoted`` when results or a current non-promoted entry exist but no promoted one,
+    ``stale`` when its only entries were tuned for another kernel source, else
+    ``missing``. Rows: the shapes of the shipped
     matrix (``rpa_tune.coverage``; a shape and its sliding-window keys are two rows), then
     the other presets, then any other shape in the results or tables. Buckets: the
     matrix's and the keys' ``max_num_tokens``. Page size and model length are folded into
     the cell (its keys list them)."""
+    from kernel.provenance import kernel_source_hash
     from . import coverage as matrix
     from .kernels import row_kernel
+    source = kernel_source_hash()
     from .presets import PRESETS, get_preset
     results_keys: set = set()
     if len(df):
@@ -216,10 +220,13 @@ def coverage(df, entries, sections=()) -> Coverage:
                     ks = by_cell.get((g, s, c, t), [])
                     rk = sorted(k for k in ks if k in results_keys)
                     tk = sorted(k for k in ks if k in table_keys)
-                    if any(table_keys[k].promoted for k in tk):
+                    current = [k for k in tk if table_keys[k].provenance.get("kernel_hash") == source]
+                    if any(table_keys[k].promoted for k in current):
                         state = "tuned"
-                    elif rk or tk:
+                    elif rk or current:
                         state = "not promoted"
+                    elif tk:
+                        state = "stale"
                     else:
                         state = "missing"
                     keys = sorted({k.id() for k in rk + tk})
@@ -428,7 +435,7 @@ table{border-collapse:collapse;font-size:13px}
 th,td{border:1px solid #d6d6d6;padding:3px 7px;text-align:left;vertical-align:top}
 th{background:#f3f3f3}
 table.cov td.c{text-align:center;min-width:72px;white-space:nowrap}
-td.tuned{background:#c8ecc9} td.not-promoted{background:#fde3a7} td.missing{background:#f1f1f1;color:#999}
+td.tuned{background:#c8ecc9} td.not-promoted{background:#fde3a7} td.stale{background:#f6c6c6} td.missing{background:#f1f1f1;color:#999}
 td.c a{color:inherit}
 .key{border:1px solid #ddd;border-radius:6px;padding:12px;margin:18px 0;background:#fcfcfc}
 .key img{max-width:100%;height:auto;display:block;margin-top:8px}
@@ -482,7 +489,8 @@ def _render_coverage(add, cov: Coverage) -> None:
     add("<p>Our kernel's keys per generation × model shape × case × token bucket (<code>max_num_tokens</code> "
         "of the key, as the tables key them). <b>tuned</b>: the tables hold a promoted entry; <b>not "
         "promoted</b>: results (or a non-promoted entry) exist, but no promoted entry (the winner did not beat "
-        "the heuristic by the margin, or it was not exported); <b>missing</b>: neither. The first rows are the "
+        "the heuristic by the margin, or it was not exported); <b>stale</b>: only entries tuned for an "
+        "earlier kernel source (the kernel uses them, with a warning); <b>missing</b>: none of these. The first rows are the "
         "shapes the shipped tables promise (<code>rpa_tune/coverage.py</code>). Page size and model length "
         "are folded into a cell (hover it for its keys; a link goes to the key below).</p>")
     counts = Counter(c.state for c in cov.cells.values())

@@ -15,6 +15,9 @@ from pathlib import Path
 import pytest
 
 from tables_synth import entry, key, row, table
+from kernel.provenance import kernel_source_hash
+
+SOURCE = kernel_source_hash()      # table entries tuned for the current kernel source
 
 RPA_TUNE = str(Path(sys.executable).with_name("rpa-tune"))
 HOSTILE = '<script>alert("x")</script> & <b>bold</b>'
@@ -85,7 +88,7 @@ def tables_dir(tmp_path_factory) -> Path:
     """Tables with one entry: key A promoted."""
     from rpa_tune.export import write_tables
     d = tmp_path_factory.mktemp("tables")
-    write_tables({"v6e": table(entry(KEY_A, (1, 1024, 1, 256), promoted=True, metric=2.0e-4))}, d)
+    write_tables({"v6e": table(entry(KEY_A, (1, 1024, 1, 256), promoted=True, metric=2.0e-4, kernel_hash=SOURCE))}, d)
     return d
 
 
@@ -169,13 +172,17 @@ def test_not_promoted_table_entry_and_a_custom_shape(results):
     from rpa_tune.html_report import coverage
     from rpa_tune.store import ResultStore
     odd = key("v5e", "mixed", hq=4, hkv=4, d=64, t=512)
-    cov = coverage(ResultStore(results).read(), [entry(KEY_A, (1, 512, 1, 128), promoted=False),
-                                                  entry(odd, (8, 512, 8, 128), promoted=True)])
+    old = key("v5p", "decode", t=256)
+    cov = coverage(ResultStore(results).read(), [entry(KEY_A, (1, 512, 1, 128), promoted=False, kernel_hash=SOURCE),
+                                                  entry(odd, (8, 512, 8, 128), promoted=True, kernel_hash=SOURCE),
+                                                  entry(old, (1, 512, 1, 128), promoted=True, kernel_hash="earlier")])
     a = ((32, 8, 128, "bfloat16", "bfloat16"), False)
     assert cov.buckets == [128, 256, 512, 1024, 2048, 4096, 8192]
     assert cov.cells[("v6e", a, "decode", 2048)].state == "not promoted"
     assert cov.cells[("v5e", ((4, 4, 64, "bfloat16", "bfloat16"), False), "mixed", 512)].state == "tuned"
     assert cov.shapes[-1][1].startswith("custom")
+    # an entry tuned for another kernel source is stale, whatever its promotion
+    assert cov.cells[("v5p", ((32, 8, 128, "bfloat16", "bfloat16"), False), "decode", 256)].state == "stale"
 
 
 def run(args, cwd=None):
