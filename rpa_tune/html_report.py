@@ -165,7 +165,7 @@ def coverage(df, entries, sections=()) -> Coverage:
     """Generation x model shape x case x token bucket of our kernel: ``tuned`` when the
     tables hold a promoted entry for it tuned for the current kernel source, ``not
     promoted`` when results or a current non-promoted entry exist but no promoted one,
-    ``stale`` when its only entries were tuned for another kernel source, else
+    ``stale`` when its only entries or results are another kernel source's, else
     ``missing``. Rows: the shapes of the shipped
     matrix (``rpa_tune.coverage``; a shape and its sliding-window keys are two rows), then
     the other presets, then any other shape in the results or tables. Buckets: the
@@ -176,15 +176,22 @@ def coverage(df, entries, sections=()) -> Coverage:
     from .kernels import row_kernel
     source = kernel_source_hash()
     from .presets import PRESETS, get_preset
-    results_keys: set = set()
+    results_keys: set = set()         # keys with results of the current kernel source
+    old_results: set = set()          # keys with results of earlier kernels only
     if len(df):
         d = df[[row_kernel(k) == "rpa-tune" for k in df["kernel"]]] if "kernel" in df else df
         cols = [f.name for f in dataclasses.fields(TuningKey)]
-        for vals in d[cols].drop_duplicates().itertuples(index=False):
-            try:
-                results_keys.add(TuningKey(*vals))
-            except (TypeError, ValueError):
-                continue
+        # rows without the column (written before it existed) count as current
+        fresh = ((d["kernel_source_hash"] == source) | d["kernel_source_hash"].isna()
+                 if "kernel_source_hash" in d else None)
+        for part, into in ((d if fresh is None else d[fresh], results_keys),
+                           (d.iloc[0:0] if fresh is None else d[~fresh], old_results)):
+            for vals in part[cols].drop_duplicates().itertuples(index=False):
+                try:
+                    into.add(TuningKey(*vals))
+                except (TypeError, ValueError):
+                    continue
+        old_results -= results_keys
     table_keys = {e.key: e for e in entries}
 
     def preset_shape(p, kv_dtype=None):
@@ -195,7 +202,7 @@ def coverage(df, entries, sections=()) -> Coverage:
         rows.setdefault((preset_shape(get_preset(sh.preset), sh.kv_dtype), sh.sliding_window is not None), sh.name)
     for p in PRESETS.values():
         rows.setdefault((preset_shape(p), False), None)
-    for k in sorted(results_keys | set(table_keys)):
+    for k in sorted(results_keys | old_results | set(table_keys)):
         rows.setdefault((model_shape(k.as_dict()), k.sliding_window), None)
     from .ui import shape_label
     shapes = []
@@ -203,13 +210,13 @@ def coverage(df, entries, sections=()) -> Coverage:
         label = (f"{name}: " + shape_label(dict(zip(("num_q_heads", "num_kv_heads", "head_dim", "q_dtype",
                                                      "kv_dtype"), shape)))) if name else shape_name(shape)
         shapes.append(((shape, sw), label + (", sliding window" if sw else "")))
-    buckets = sorted(set(matrix.BUCKETS) | {k.max_num_tokens for k in results_keys | set(table_keys)})
+    buckets = sorted(set(matrix.BUCKETS) | {k.max_num_tokens for k in results_keys | old_results | set(table_keys)})
     anchors = {}
     for sec in sections:
         if sec.group.kernel == "rpa-tune":
             anchors.setdefault(sec.group.key_id, sec.anchor)
     by_cell: dict = {}
-    for k in results_keys | set(table_keys):
+    for k in results_keys | old_results | set(table_keys):
         by_cell.setdefault((k.generation, (model_shape(k.as_dict()), k.sliding_window), k.case,
                             k.max_num_tokens), []).append(k)
     cells = {}
@@ -225,11 +232,11 @@ def coverage(df, entries, sections=()) -> Coverage:
                         state = "tuned"
                     elif rk or current:
                         state = "not promoted"
-                    elif tk:
+                    elif tk or any(k in old_results for k in ks):
                         state = "stale"
                     else:
                         state = "missing"
-                    keys = sorted({k.id() for k in rk + tk})
+                    keys = sorted({k.id() for k in ks})
                     anchor = next((anchors[k] for k in keys if k in anchors), None)
                     cells[(g, s, c, t)] = CoverageCell(state, keys, anchor)
     return Coverage(list(GENERATIONS), shapes, list(CASES), buckets, cells)
@@ -489,8 +496,8 @@ def _render_coverage(add, cov: Coverage) -> None:
     add("<p>Our kernel's keys per generation × model shape × case × token bucket (<code>max_num_tokens</code> "
         "of the key, as the tables key them). <b>tuned</b>: the tables hold a promoted entry; <b>not "
         "promoted</b>: results (or a non-promoted entry) exist, but no promoted entry (the winner did not beat "
-        "the heuristic by the margin, or it was not exported); <b>stale</b>: only entries tuned for an "
-        "earlier kernel source (the kernel uses them, with a warning); <b>missing</b>: none of these. The first rows are the "
+        "the heuristic by the margin, or it was not exported); <b>stale</b>: only entries or results of an "
+        "earlier kernel source (the kernel uses such entries, with a warning); <b>missing</b>: none of these. The first rows are the "
         "shapes the shipped tables promise (<code>rpa_tune/coverage.py</code>). Page size and model length "
         "are folded into a cell (hover it for its keys; a link goes to the key below).</p>")
     counts = Counter(c.state for c in cov.cells.values())
