@@ -43,7 +43,7 @@ def main() -> int:
     methods = set()
     for p in sorted(a.tables.glob("*.json")):
         for e in kt.Table.read(p).entries:
-            if e.provenance.get("kernel_hash") != current:      # tuned for an earlier kernel
+            if kt.tuned_for_another_kernel(e, current):       # tuned for an earlier kernel
                 stale[(e.key.generation, e.key.case)] += 1
                 continue
             groups[(e.key.generation, e.key.case)].append(e)

@@ -172,6 +172,7 @@ def coverage(df, entries, sections=()) -> Coverage:
     matrix's and the keys' ``max_num_tokens``. Page size and model length are folded into
     the cell (its keys list them)."""
     from kernel.provenance import kernel_source_hash
+    from kernel.tables import tuned_for_another_kernel
     from . import coverage as matrix
     from .kernels import row_kernel
     source = kernel_source_hash()
@@ -182,10 +183,10 @@ def coverage(df, entries, sections=()) -> Coverage:
         d = df[[row_kernel(k) == "rpa-tune" for k in df["kernel"]]] if "kernel" in df else df
         cols = [f.name for f in dataclasses.fields(TuningKey)]
         # rows without the column (written before it existed) count as current
-        fresh = ((d["kernel_source_hash"] == source) | d["kernel_source_hash"].isna()
-                 if "kernel_source_hash" in d else None)
-        for part, into in ((d if fresh is None else d[fresh], results_keys),
-                           (d.iloc[0:0] if fresh is None else d[~fresh], old_results)):
+        import numpy as np
+        col = d["kernel_source_hash"] if "kernel_source_hash" in d else None
+        fresh = np.asarray((col == source) | col.isna() if col is not None else [True] * len(d), dtype=bool)
+        for part, into in ((d[fresh], results_keys), (d[~fresh], old_results)):
             for vals in part[cols].drop_duplicates().itertuples(index=False):
                 try:
                     into.add(TuningKey(*vals))
@@ -227,7 +228,7 @@ def coverage(df, entries, sections=()) -> Coverage:
                     ks = by_cell.get((g, s, c, t), [])
                     rk = sorted(k for k in ks if k in results_keys)
                     tk = sorted(k for k in ks if k in table_keys)
-                    current = [k for k in tk if table_keys[k].provenance.get("kernel_hash") == source]
+                    current = [k for k in tk if not tuned_for_another_kernel(table_keys[k], source)]
                     if any(table_keys[k].promoted for k in current):
                         state = "tuned"
                     elif rk or current:

@@ -40,6 +40,13 @@ SEARCHES = ("grid", "random", "tpe")
 IMPROVEMENT = 0.005
 
 
+def usable_seeds(candidates, first, seeds) -> list[BlockSizes]:
+    """The seeds a search asks: candidates only, not the heuristic (asked first anyway), once
+    each, in the given order."""
+    cands = set(map(BlockSizes.coerce, candidates))
+    return list(dict.fromkeys(b for b in map(BlockSizes.coerce, seeds) if b in cands and b != first))
+
+
 class Search:
     name = ""
 
@@ -49,8 +56,8 @@ class Search:
         self.budget = int(budget)
         self.seed = int(seed)
         self.first = first if first in set(self.candidates) else None
-        cands = set(self.candidates)
-        self.seeds = list(dict.fromkeys(b for b in map(BlockSizes.coerce, seeds) if b in cands and b != self.first))
+        self.seeds = usable_seeds(self.candidates, self.first, seeds)
+        self._free = set(self.seeds)
         self.patience = int(patience)
         self.best = math.inf
         self.since_best = 0
@@ -61,7 +68,7 @@ class Search:
         raise NotImplementedError
 
     def tell(self, bs: BlockSizes, status: str, metric: float | None) -> None:
-        if bs in self.seeds:          # free: only the best moves
+        if bs in self._free:          # free: only the best moves
             if status == "ok" and metric is not None and math.isfinite(metric):
                 self.best = min(self.best, metric)
             return
@@ -79,8 +86,13 @@ class Search:
             return True
         return False
 
+    @property
+    def head(self) -> list[BlockSizes]:
+        """What every strategy asks first: the heuristic, then the seeds."""
+        return ([self.first] if self.first is not None else []) + self.seeds
+
     def _ordered(self, order) -> list[BlockSizes]:
-        head = ([self.first] if self.first is not None else []) + self.seeds
+        head = self.head
         return head + [b for b in order if b not in set(head)]
 
 
@@ -130,7 +142,7 @@ class TpeSearch(Search):
         self._trials: dict[BlockSizes, object] = {}   # in flight
         self._seen: dict[BlockSizes, tuple] = {}       # told outcomes
         self._rng = np.random.default_rng([self.seed, 29])
-        for bs in ([self.first] if self.first is not None else []) + self.seeds:
+        for bs in self.head:
             self.study.enqueue_trial(bs._asdict())
 
     def _params(self, trial) -> BlockSizes:
@@ -187,8 +199,7 @@ def make_search(kind: str, candidates, *, budget: int, seed: int = 0, first=None
     (plus the seeds, which are outside it)."""
     if kind not in SEARCHES:
         raise ValueError(f"unknown search {kind!r}; valid: {SEARCHES}")
-    cands = set(map(BlockSizes.coerce, candidates))
-    free = len({BlockSizes.coerce(b) for b in seeds if BlockSizes.coerce(b) in cands} - {first})
+    free = len(usable_seeds(candidates, first, seeds))
     if kind == "grid" or (kind == "tpe" and len(candidates) <= budget + free):
         s = GridSearch(candidates, budget=budget, seed=seed, first=first, seeds=seeds)
         if kind == "tpe":

@@ -39,7 +39,7 @@ from ..provenance import KERNEL_SOURCE_FILES, kernel_source_hash, libtpu_version
 from .env import (ENV_BLOCK_SIZES, ENV_PUBLIC_BLOCK_SIZES, ENV_PUBLIC_TABLE, ENV_SHIPPED, ENV_STRICT, ENV_TABLE,
                   env_block_sizes)
 from .index import Match, TableIndex
-from .loading import LoadedTables, load_tables, shipped_table_dir
+from .loading import LoadedTables, load_tables, shipped_table_dir, tuned_for_another_kernel
 from .schema import (DEFAULT_KERNEL, KERNEL_NAMES, KEY_FIELDS, METHODS, PROVENANCE_FIELDS, PUBLIC_KERNEL,
                      SCHEMA_VERSION, Entry, Table, TableError, read_regular_file, table_kernel)
 from .state import (_lookup_cached, block_sizes_for, epoch, key_for, loaded, lookup_block_sizes, lookup_entry,
@@ -51,5 +51,5 @@ __all__ = [
     "load_tables", "loaded", "lookup_block_sizes", "lookup_entry", "reload", "reset", "shipped_table_dir",
     "epoch", "KEY_FIELDS", "METHODS", "PROVENANCE_FIELDS", "KERNEL_SOURCE_FILES", "LoadedTables", "Match",
     "read_regular_file", "DEFAULT_KERNEL", "PUBLIC_KERNEL", "KERNEL_NAMES", "table_kernel", "block_sizes_for",
-    "ENV_PUBLIC_BLOCK_SIZES", "ENV_PUBLIC_TABLE",
+    "ENV_PUBLIC_BLOCK_SIZES", "ENV_PUBLIC_TABLE", "tuned_for_another_kernel",
 ]

@@ -60,13 +60,18 @@ def kernel_version(kernel: str) -> str | None:
         return None
 
 
+def tuned_for_another_kernel(entry, cur_hash: str | None) -> bool:
+    """Whether ``entry`` was tuned for another kernel version than ``cur_hash``
+    (``kernel_version``; None: not checked; an entry without a hash is not)."""
+    return cur_hash is not None and entry.provenance.get("kernel_hash") not in (None, cur_hash)
+
+
 def _compat_filter(table: Table, path: str, strict: bool, warn, cur_hash: str | None) -> Table:
     """``table`` with a warning (or, strict, without the entries) for entries tuned for
     another kernel version than ``cur_hash`` (``kernel_version``; None: not checked) or
     another libtpu."""
     cur_libtpu = libtpu_version()
-    bad_hash = sorted({e.provenance.get("kernel_hash") for e in table.entries
-                       if cur_hash is not None and e.provenance.get("kernel_hash") not in (None, cur_hash)})
+    bad_hash = sorted({e.provenance.get("kernel_hash") for e in table.entries if tuned_for_another_kernel(e, cur_hash)})
     bad_lib = sorted({e.provenance.get("libtpu_version") for e in table.entries
                       if cur_libtpu is not None
                       and e.provenance.get("libtpu_version") not in (None, cur_libtpu)})

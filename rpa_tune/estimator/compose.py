@@ -18,7 +18,7 @@ The same probes price every workload and every token bucket of a config: they ar
 compiled at one token bucket per config (``probe_tokens``), whatever the key's. A bucket
 only sizes the q / output arrays, which stay in HBM (``pl.ANY``) and of which a probe
 touches only its own rows, so the probes' cycles do not depend on it (checked:
-``tests/test_compose.py``). ``benchmarks/README.md`` ("Composition") has the check against
+``tests/test_estimator.py``). ``benchmarks/README.md`` ("Composition") has the check against
 full compiles.
 """
 from __future__ import annotations
