@@ -32,7 +32,7 @@ from kernel.workload import ModelShape, ServingLimits, Workload
 from . import prefilter, provenance
 from .evaluators import base, evaluator_version
 from .evaluators.base import EvalResult, Task
-from .search import make_search
+from .search import SEEDED, make_search
 from .space import CaseSpace, context, enumerate_space
 from .store import ResultStore, config_id
 from .worker import MARK, PARENT_ENV
@@ -409,10 +409,13 @@ class SweepContext:
     def config_id(self, bs) -> str:
         return config_id(self.spec.key_id, self.wid, bs, self.spec.backend, self.kversion, self.ev_version)
 
-    def row(self, plan: Plan, bs: BlockSizes, res: EvalResult, eval_s: float, sweep_id: str) -> dict:
-        """The store row of one evaluation of ``bs`` in this sweep (``make_row``)."""
+    def row(self, plan: Plan, bs: BlockSizes, res: EvalResult, eval_s: float, sweep_id: str,
+            seeded: bool = False) -> dict:
+        """The store row of one evaluation of ``bs`` in this sweep (``make_row``); a config
+        asked as a seed (``sibling_configs``) records ``SEEDED`` as its search."""
         s = self.spec
-        return make_row(s.key, s.limits, s.workload, s.workload_desc, bs, res, backend=s.backend, search=s.search,
+        return make_row(s.key, s.limits, s.workload, s.workload_desc, bs, res, backend=s.backend,
+                        search=SEEDED if seeded else s.search,
                         seed=s.seed, eval_s=eval_s, prov=self.prov, config=self.config_id(bs), wid=self.wid,
                         ev_version=self.ev_version, sweep_id=sweep_id, heuristic=bs == plan.heuristic,
                         predicted=plan.predicted.get(bs))
@@ -463,6 +466,21 @@ def sibling_configs(spec: SweepSpec, ctx: SweepContext, recorded: dict) -> list[
     return list(dict.fromkeys(BlockSizes(int(r["bq"]), int(r["bkv"]), int(r["cq"]), int(r["ckv"])) for r in rows))
 
 
+def own_picks(spec: SweepSpec, ctx: SweepContext, recorded: dict) -> list[BlockSizes]:
+    """The configs this sweep's search picked in earlier runs (recorded for this very key,
+    workload and method with the sweep's search, not as the heuristic or a seed): replayed
+    inside the budget (``rpa_tune.search``), so rerunning a finished ``--buckets`` sweep
+    evaluates nothing new although its seeds have grown since."""
+    out = []
+    for r in recorded.values():           # (in the order they were recorded)
+        if r.get("search") != spec.search or r.get("is_heuristic"):
+            continue
+        bs = BlockSizes(int(r["bq"]), int(r["bkv"]), int(r["cq"]), int(r["ckv"]))
+        if r.get("config_id") == ctx.config_id(bs):
+            out.append(bs)
+    return out
+
+
 def make_task(spec: SweepSpec, plan: Plan, bs: BlockSizes) -> Task:
     return Task(backend=spec.backend, generation=spec.generation, case=spec.case.value,
                 model=spec.model, limits=spec.limits, workload=spec.workload, bs=bs,
@@ -480,14 +498,19 @@ def run_sweep(spec: SweepSpec, store: ResultStore, *, events: Events | None = No
     ctx = sweep_context(spec)
     recorded = store.recorded()
     seeds = sibling_configs(spec, ctx, recorded)
+    # with seeds, what the search proposes depends on them, and they grow between runs: a
+    # rerun replays its own earlier picks instead (without seeds it proposes them again)
+    replay = own_picks(spec, ctx, recorded) if seeds else []
     search = make_search(spec.search, plan.candidates, budget=spec.budget, seed=spec.seed,
-                         first=plan.heuristic, patience=spec.patience, jobs=spec.jobs, seeds=seeds)
+                         first=plan.heuristic, patience=spec.patience, jobs=spec.jobs, seeds=seeds,
+                         replay=replay)
     outcome.search_note = search.fallback
     if search.seeds:
         outcome.search_note = "; ".join(x for x in (outcome.search_note, (
             f"{len(search.seeds)} configs evaluated at other token buckets of the key first (outside the "
             "budget)")) if x)
     limit = spec.budget + len(search.seeds)
+    seeded = set(search.seeds)
     total = min(limit, len(plan.candidates))
     sweep_id = uuid.uuid4().hex[:12]
     events.start(spec, plan, total)
@@ -517,7 +540,7 @@ def run_sweep(spec: SweepSpec, store: ResultStore, *, events: Events | None = No
             if pool.busy == 0:
                 break
             for bs, task, res, eval_s in pool.wait():
-                row = ctx.row(plan, bs, res, eval_s, sweep_id)
+                row = ctx.row(plan, bs, res, eval_s, sweep_id, seeded=bs in seeded)
                 store.append([row])
                 recorded[row["config_id"]] = row
                 outcome.evaluated += 1

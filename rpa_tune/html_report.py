@@ -265,7 +265,7 @@ def gather(df, entries, *, results: str = "", tables: str = "", tpu=None, case=N
         state = "none" if e is None else ("promoted" if e.promoted else "not promoted")
         k = g.key
         image = _slug(f"{i + 1:03d}-{k['generation']}-{k['case']}-h{k['num_q_heads']}x{k['num_kv_heads']}-"
-                      f"d{k['head_dim']}-t{k['max_num_tokens']}-{g.backend}") + ".png"
+                      f"d{k['head_dim']}-{k['kv_dtype']}-p{k['page_size']}-t{k['max_num_tokens']}-{g.backend}") + ".png"
         sections.append(KeySection(g, heatmap_data(g, wrong), anchor, image, state,
                                    tuple(e.block_sizes) if e is not None else None))
     return ReportData(results=results, tables=tables, sections=sections, coverage=coverage(df, entries, sections),

@@ -23,6 +23,11 @@ passes the configs a sweep of the same key at another token bucket evaluated (th
 compiles are cached, so pricing them again costs next to nothing), and TPE learns from
 them before its own proposals. They do not count towards ``patience`` either.
 
+``replay``: configs this sweep's own search picked in an earlier run (the engine reads them
+from the store); asked with the head and inside the budget, so a rerun of a finished sweep
+asks nothing new even when the seeds have changed since (the other buckets grew) and the
+search would now propose other configs. A replayed config is never also a seed.
+
 Same seed and same outcomes give the same order (with one job; parallel jobs change the
 order in which outcomes reach TPE). Resuming replays the recorded outcomes through
 ``tell`` in ask order, so an interrupted TPE sweep continues where it stopped.
@@ -37,26 +42,29 @@ import numpy as np
 from kernel.config import BlockSizes
 
 SEARCHES = ("grid", "random", "tpe")
+SEEDED = "seed"     # the ``search`` a results row records for a config asked as a seed
 IMPROVEMENT = 0.005
 
 
-def usable_seeds(candidates, first, seeds) -> list[BlockSizes]:
-    """The seeds a search asks: candidates only, not the heuristic (asked first anyway), once
-    each, in the given order."""
+def usable_seeds(candidates, first, seeds, replay=()) -> list[BlockSizes]:
+    """The seeds a search asks: candidates only, not the heuristic (asked first anyway) nor
+    a replayed config (inside the budget), once each, in the given order."""
     cands = set(map(BlockSizes.coerce, candidates))
-    return list(dict.fromkeys(b for b in map(BlockSizes.coerce, seeds) if b in cands and b != first))
+    skip = {first, *map(BlockSizes.coerce, replay)}
+    return list(dict.fromkeys(b for b in map(BlockSizes.coerce, seeds) if b in cands and b not in skip))
 
 
 class Search:
     name = ""
 
     def __init__(self, candidates, *, budget: int, seed: int = 0, first: BlockSizes | None = None,
-                 patience: int = 0, seeds=()):
+                 patience: int = 0, seeds=(), replay=()):
         self.candidates = [BlockSizes(*c) for c in candidates]
         self.budget = int(budget)
         self.seed = int(seed)
         self.first = first if first in set(self.candidates) else None
-        self.seeds = usable_seeds(self.candidates, self.first, seeds)
+        self.replay = usable_seeds(self.candidates, self.first, replay)
+        self.seeds = usable_seeds(self.candidates, self.first, seeds, self.replay)
         self._free = set(self.seeds)
         self.patience = int(patience)
         self.best = math.inf
@@ -88,8 +96,8 @@ class Search:
 
     @property
     def head(self) -> list[BlockSizes]:
-        """What every strategy asks first: the heuristic, then the seeds."""
-        return ([self.first] if self.first is not None else []) + self.seeds
+        """What every strategy asks first: the heuristic, its replayed picks, then the seeds."""
+        return ([self.first] if self.first is not None else []) + self.replay + self.seeds
 
     def _ordered(self, order) -> list[BlockSizes]:
         head = self.head
@@ -194,18 +202,18 @@ class TpeSearch(Search):
 
 
 def make_search(kind: str, candidates, *, budget: int, seed: int = 0, first=None, patience: int = 0,
-                jobs: int = 1, seeds=()) -> Search:
+                jobs: int = 1, seeds=(), replay=()) -> Search:
     """A search of ``kind``; ``tpe`` becomes ``grid`` when the candidates fit in the budget
     (plus the seeds, which are outside it)."""
     if kind not in SEARCHES:
         raise ValueError(f"unknown search {kind!r}; valid: {SEARCHES}")
-    free = len(usable_seeds(candidates, first, seeds))
+    free = len(usable_seeds(candidates, first, seeds, replay))
+    kw = dict(budget=budget, seed=seed, first=first, seeds=seeds, replay=replay)
     if kind == "grid" or (kind == "tpe" and len(candidates) <= budget + free):
-        s = GridSearch(candidates, budget=budget, seed=seed, first=first, seeds=seeds)
+        s = GridSearch(candidates, **kw)
         if kind == "tpe":
             s.fallback = f"tpe -> grid: {len(candidates)} candidates fit in the budget of {budget}"
         return s
     if kind == "random":
-        return RandomSearch(candidates, budget=budget, seed=seed, first=first, patience=0, seeds=seeds)
-    return TpeSearch(candidates, budget=budget, seed=seed, first=first, patience=patience, jobs=jobs,
-                     seeds=seeds)
+        return RandomSearch(candidates, patience=0, **kw)
+    return TpeSearch(candidates, patience=patience, jobs=jobs, **kw)

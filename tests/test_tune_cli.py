@@ -296,3 +296,30 @@ def test_each_bucket_starts_from_the_configs_the_earlier_buckets_evaluated(tmp_p
     assert len(small) == 6 and small < big and len(big - small) in (5, 6)
     doc = json.loads(r.stdout)
     assert "configs evaluated at other token buckets" in doc[1]["search_note"] and not doc[0]["search_note"]
+
+
+def test_rerunning_a_bucket_sweep_only_closes_the_buckets_and_then_asks_nothing(tmp_path):
+    """A finished `--buckets` sweep run again: the first bucket now also evaluates what the
+    later buckets found (its seeds grew), but no bucket's search proposes anything new (its
+    earlier picks are replayed inside the budget); a third run evaluates nothing."""
+    import pandas as pd
+    res = tmp_path / "results"
+    env = {"RPA_TUNE_EVALUATOR_OVERRIDE": "tune_fakes:make_evaluator", "RPA_TUNE_KERNEL_HASH": "cli-rerun",
+           "PYTHONPATH": TESTS + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    cmd = ["sweep", "--tpu", "v6e", "--case", "prefill", "--model", "llama3-70b-tp8", "--backend", "compile",
+           "--search", "tpe", "--budget", "6", "--patience", "0", "--jobs", "1", "--buckets", "512,1024",
+           "--results", str(res)]
+    cfg = lambda d: set(map(tuple, d[["bq", "bkv", "cq", "ckv"]].to_numpy().tolist()))
+    assert run(cmd, env=env).returncode == 0
+    first = pd.read_parquet(res)
+    small, big = (cfg(first[first["max_num_tokens"] == t]) for t in (512, 1024))
+    # the second bucket's seeds (the first bucket's configs) are recorded as seeds
+    seeded = first[(first["max_num_tokens"] == 1024) & (first["search"] == "seed")]
+    assert cfg(seeded) == small - cfg(first[first["is_heuristic"]])
+    assert run(cmd, env=env).returncode == 0
+    second = pd.read_parquet(res)
+    assert cfg(second[second["max_num_tokens"] == 512]) == big, "the first bucket priced the second's finds"
+    assert cfg(second[second["max_num_tokens"] == 1024]) == big, "and the second bucket proposed nothing new"
+    assert len(second) == len(first) + len(big - small)
+    assert run(cmd, env=env).returncode == 0
+    assert len(pd.read_parquet(res)) == len(second)
