@@ -71,7 +71,7 @@ def rows_of(df, key):
 def read(path: Path):
     import pandas as pd
     from rpa_tune.store import ResultStore
-    return ResultStore(path).read() if path.exists() else pd.DataFrame(columns=list(KEY_COLS) + ["status", "metric"])
+    return ResultStore(path).read_current() if path.exists() else pd.DataFrame(columns=list(KEY_COLS) + ["status", "metric"])
 
 
 def main() -> int:
@@ -88,7 +88,10 @@ def main() -> int:
     a = ap.parse_args()
     keys = sample(a.fraction, a.seed)
     gen = read(a.generated)
-    ready = [k for k in keys if len(rows_of(gen, k))]
+    # keys the current kernel's generation has reached (rows of earlier kernels do not count)
+    from rpa_tune.provenance import result_inputs_hash
+    current = gen[gen["kernel_hash"] == result_inputs_hash()] if "kernel_hash" in gen else gen
+    ready = [k for k in keys if len(rows_of(current, k))]
     marker = a.results / "complete.json"        # keys whose grid sweep finished
     if a.run:
         a.results.mkdir(parents=True, exist_ok=True)

@@ -100,6 +100,9 @@ def sweep(
                                "minutes with --jobs 2 on an idle 2-core machine)."),
     patience: int = typer.Option(10, "--patience", min=0, help="tpe: stop after this many evaluations without a "
                                  "0.5% improvement (0: never)."),
+    refine: int = typer.Option(0, "--refine", min=0, help="tpe / random: after --budget (or --patience), climb "
+                               "from the best config: evaluate its neighbours (one or two block sizes doubled "
+                               "or halved) while one beats it, at most this many more (0: no climb)."),
     jobs: int = typer.Option(2, "--jobs", "-j", min=1, help="Parallel evaluations (worker processes); with the "
                              "compile backend each compiles its config's probes on cores / jobs processes "
                              "(RPA_TUNE_PROBE_WORKERS overrides); the tpu backend uses 1."),
@@ -133,7 +136,8 @@ def sweep(
             dtype=dtype, kv_dtype=kv_dtype, page_size=page_size, max_num_tokens=max_num_tokens, buckets=buckets,
             max_num_seqs=max_num_seqs, max_model_len=max_model_len, workload=workload, num_seqs=num_seqs,
             context=context, chunk=chunk, num_chunks=num_chunks, seed=seed, backend=value(backend),
-            search=value(search), budget=budget, patience=patience, jobs=jobs, timeout=timeout, results=results,
+            search=value(search), budget=budget, patience=patience, refine=refine, jobs=jobs, timeout=timeout,
+            results=results,
             space=space, retry=[value(r) for r in retry], dry_run=dry_run, sliding_window=sliding_window,
             kernel=value(kernel), soft_cap=soft_cap)
         if storage is not None:
@@ -154,6 +158,9 @@ def sweep(
         if retry:
             fail("--retry cannot be combined with --storage (the study already holds those configs; "
                  "rerun them in a new storage)")
+        if refine:
+            fail(f"--refine {refine} cannot be combined with --storage (the shared study plans its configs "
+                 "up front); use --refine 0 or run without --storage")
         try:
             opened = open_storage(storage, heartbeat=heartbeat, grace=max(grace, 2 * heartbeat))
         except StorageError as e:
@@ -197,7 +204,7 @@ def sweep(
 
 def _build_specs(*, tpu, case, model, q_heads, kv_heads, head_dim, dtype, kv_dtype, page_size, max_num_tokens,
                  max_num_seqs, max_model_len, workload, num_seqs, context, chunk, num_chunks, seed, backend,
-                 search, budget, patience, jobs, timeout, results, space, retry, dry_run, buckets=None,
+                 search, budget, patience, jobs, timeout, results, space, retry, dry_run, buckets=None, refine=0,
                  sliding_window=None, kernel="rpa-tune", soft_cap=None):
     """Validate every input and build one SweepSpec per bucket x case (no side effects)."""
     from kernel.config import Case
@@ -251,7 +258,7 @@ def _build_specs(*, tpu, case, model, q_heads, kv_heads, head_dim, dtype, kv_dty
             spec = SweepSpec(key=key, model=m, limits=limits, workload=w,
                              workload_desc=f"{describe(w)}{window} [{origin}]", case_space=cs, backend=be,
                              search=search, budget=budget, seed=seed, jobs=jobs, timeout=timeout,
-                             patience=patience, retry=tuple(retry), model_label=model_label,
+                             patience=patience, refine=refine, retry=tuple(retry), model_label=model_label,
                              sliding_window=sliding_window, kernel=kern.name, soft_cap=soft_cap)
             try:
                 plan = plan_sweep(spec)
@@ -293,7 +300,7 @@ def show(
     json_out: JsonFlag = False,
 ):
     """Best configs per tuning key as a table, with status counts and the gain over the heuristic."""
-    df = _results_store(results).read()
+    df = _results_store(results).read_current()
     from . import ui
     from .report import winners
     groups = winners(df, tpu=tpu, case=value(case), backend=value(backend), top=top)
@@ -318,7 +325,7 @@ def compare(
 ):
     """This project's kernel against tpu-inference's RPA v3, per key tuned for both: each at
     its best, the same workload and method, and the ratio."""
-    df = _results_store(results).read()
+    df = _results_store(results).read_current()
     from . import ui
     from .report import compare_kernels
     rows = compare_kernels(df, tpu=tpu, case=value(case), backend=value(backend))
@@ -375,7 +382,7 @@ def report(
     except (TableError, OSError) as e:
         fail(f"--tables {str(tdir)!r}: {e}")
     from .store import ResultStore
-    df = ResultStore(results).read()
+    df = ResultStore(results).read_current()
     if df.empty:
         fail(f"--results {str(results)!r} holds no result rows (no readable *.parquet files); give the directory "
              "`rpa-tune sweep --results` wrote")

@@ -288,6 +288,7 @@ class SweepSpec:
     jobs: int = 1
     timeout: float = 900.0
     patience: int = 10
+    refine: int = 0              # climb asks after the budget (rpa_tune.search), outside it
     retry: tuple = ()            # statuses to evaluate again on resume
     model_label: str = ""
     sliding_window: int | None = None   # the window the kernel runs with (key.sliding_window)
@@ -447,38 +448,45 @@ def note_row(outcome: Outcome, row: dict) -> None:
         outcome.heuristic_row = row
 
 
+def _priced_alike(r: dict, spec: SweepSpec, ctx: SweepContext) -> bool:
+    """``r`` prices this sweep's kernel source with its backend for a key that differs from
+    the sweep's at most in its token bucket, under any evaluator version (a new version
+    re-prices a config; the compile backend's from its cached probes)."""
+    return (r.get("backend") == spec.backend and r.get("kernel") == ctx.kernel.name
+            and r.get("kernel_hash") == ctx.prov.get("kernel_hash")
+            and all(r.get(k) == v for k, v in spec.key.as_dict().items() if k != "max_num_tokens"))
+
+
+def _row_bs(r: dict) -> BlockSizes:
+    return BlockSizes(int(r["bq"]), int(r["bkv"]), int(r["cq"]), int(r["ckv"]))
+
+
 def sibling_configs(spec: SweepSpec, ctx: SweepContext, recorded: dict) -> list[BlockSizes]:
     """The configs evaluated ``ok`` for the same key at other token buckets (same kernel,
-    kernel hash, backend and evaluator version; any workload), best first: a
-    sweep over several buckets (``--buckets``) seeds each bucket's search with them
+    kernel hash and backend; any workload and evaluator version), best first: a sweep over
+    several buckets (``--buckets``) seeds each bucket's search with them
     (``rpa_tune.search``), since the compile backend prices them from cached probes. Other
     backends pay for every evaluation (a device run, an interpretation): none for them."""
     if spec.backend != "compile":
         return []
-    fam = {k: v for k, v in spec.key.as_dict().items() if k != "max_num_tokens"}
     rows = [r for r in recorded.values()
             if r.get("status") == base.OK and r.get("metric") is not None
-            and r.get("max_num_tokens") != spec.key.max_num_tokens
-            and all(r.get(k) == v for k, v in fam.items())
-            and r.get("backend") == spec.backend and r.get("evaluator_version") == ctx.ev_version
-            and r.get("kernel_hash") == ctx.prov.get("kernel_hash") and r.get("kernel") == ctx.kernel.name]
+            and r.get("max_num_tokens") != spec.key.max_num_tokens and _priced_alike(r, spec, ctx)]
     rows.sort(key=lambda r: r["metric"])
-    return list(dict.fromkeys(BlockSizes(int(r["bq"]), int(r["bkv"]), int(r["cq"]), int(r["ckv"])) for r in rows))
+    return list(dict.fromkeys(map(_row_bs, rows)))
 
 
 def own_picks(spec: SweepSpec, ctx: SweepContext, recorded: dict) -> list[BlockSizes]:
-    """The configs this sweep's search picked in earlier runs (recorded for this very key,
-    workload and method with the sweep's search, not as the heuristic or a seed): replayed
-    inside the budget (``rpa_tune.search``), so rerunning a finished ``--buckets`` sweep
-    evaluates nothing new although its seeds have grown since."""
-    out = []
-    for r in recorded.values():           # (in the order they were recorded)
-        if r.get("search") != spec.search or r.get("is_heuristic"):
-            continue
-        bs = BlockSizes(int(r["bq"]), int(r["bkv"]), int(r["cq"]), int(r["ckv"]))
-        if r.get("config_id") == ctx.config_id(bs):
-            out.append(bs)
-    return out
+    """The configs this sweep's search picked in earlier runs (recorded for this very key
+    and workload with the sweep's search, not as the heuristic or a seed; under any
+    evaluator version): replayed inside the budget (``rpa_tune.search``), so rerunning a
+    finished ``--buckets`` sweep evaluates nothing new although its seeds have grown since,
+    and after a new evaluator version it re-prices what it picked before."""
+    return list(dict.fromkeys(
+        _row_bs(r) for r in recorded.values()        # (in the order they were recorded)
+        if r.get("search") == spec.search and not r.get("is_heuristic")
+        and r.get("max_num_tokens") == spec.key.max_num_tokens and r.get("workload_id") == ctx.wid
+        and _priced_alike(r, spec, ctx)))
 
 
 def make_task(spec: SweepSpec, plan: Plan, bs: BlockSizes) -> Task:
@@ -498,18 +506,19 @@ def run_sweep(spec: SweepSpec, store: ResultStore, *, events: Events | None = No
     ctx = sweep_context(spec)
     recorded = store.recorded()
     seeds = sibling_configs(spec, ctx, recorded)
-    # with seeds, what the search proposes depends on them, and they grow between runs: a
-    # rerun replays its own earlier picks instead (without seeds it proposes them again)
-    replay = own_picks(spec, ctx, recorded) if seeds else []
+    # What the search proposes depends on its seeds, which grow between runs, and with parallel
+    # jobs on the order outcomes arrive in: a rerun then replays its own earlier picks (one
+    # job and no seeds: it proposes them again, in the same order)
+    replay = own_picks(spec, ctx, recorded) if seeds or spec.jobs > 1 else []
     search = make_search(spec.search, plan.candidates, budget=spec.budget, seed=spec.seed,
                          first=plan.heuristic, patience=spec.patience, jobs=spec.jobs, seeds=seeds,
-                         replay=replay)
+                         replay=replay, refine=spec.refine)
     outcome.search_note = search.fallback
     if search.seeds:
         outcome.search_note = "; ".join(x for x in (outcome.search_note, (
             f"{len(search.seeds)} configs evaluated at other token buckets of the key first (outside the "
             "budget)")) if x)
-    limit = spec.budget + len(search.seeds)
+    limit = spec.budget + len(search.seeds) + spec.refine
     seeded = set(search.seeds)
     total = min(limit, len(plan.candidates))
     sweep_id = uuid.uuid4().hex[:12]
@@ -524,7 +533,8 @@ def run_sweep(spec: SweepSpec, store: ResultStore, *, events: Events | None = No
             while not exhausted and asked < limit and pool.free_slots() > 0 and not search.should_stop():
                 bs = search.ask()
                 if bs is None:
-                    exhausted = True
+                    # a climb waits for the outcomes in flight before it knows where to go next
+                    exhausted = not (search.waiting and pool.busy)
                     break
                 asked += 1
                 prev = recorded.get(ctx.config_id(bs))
@@ -552,7 +562,8 @@ def run_sweep(spec: SweepSpec, store: ResultStore, *, events: Events | None = No
         elif search.stop_reason:
             outcome.stop_reason = search.stop_reason
         elif asked >= limit and len(plan.candidates) > limit:
-            outcome.stop_reason = f"budget of {spec.budget} evaluations reached"
+            outcome.stop_reason = f"budget of {spec.budget} evaluations reached" + (
+                f" (and {spec.refine} climb asks)" if spec.refine else "")
         else:
             outcome.stop_reason = "every candidate evaluated"
     except KeyboardInterrupt:

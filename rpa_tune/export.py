@@ -58,7 +58,8 @@ REQUIRED_COLUMNS = KEY_COLUMNS + ("bq", "bkv", "cq", "ckv", "status", "metric", 
 OPTIONAL_COLUMNS = ("unit", "samples", "spread", "cycles", "compile_s", "backend", "search", "seed",
                     "jax_version", "jaxlib_version", "libtpu_version", "device_kind", "kernel_hash",
                     "git_sha", "timestamp", "config_id", "workload_id", "key_id", "kernel_source_hash",
-                    "vmem_limit_bytes", "is_heuristic", "workload", "kernel", "kernel_version")
+                    "vmem_limit_bytes", "is_heuristic", "workload", "kernel", "kernel_version",
+                    "evaluator_version")
 
 
 # ----------------------------------------------------------------------------- reading
@@ -234,6 +235,8 @@ def select_key(key: TuningKey, rows: list[dict], kernel: str = "rpa-tune") -> Ke
     ok = [r for r in rows if _str(r.get("status")) == "ok" and _str(r.get("method")) in ("estimate", "measured")
           and _clean(r.get("metric")) is not None and math.isfinite(float(r["metric"]))
           and float(r["metric"]) > 0]
+    from .store import newest_evaluator
+    ok = newest_evaluator(ok)      # rows an evaluator version re-priced do not stand beside their new price
     if not ok:
         return KeyReport(key, None, "no ok rows with a metric")
     groups: dict[tuple, list] = {}

@@ -133,7 +133,7 @@ def verify_winners(store: ResultStore, *, tpu=None, case=None, top: int = 1, job
     from .evaluators.interpret import interpret_problem
     from .workloads import workload_id
 
-    df = store.read()
+    df = store.read_current()
     groups = winners(df, tpu=tpu, case=case, top=top)
     prov = provenance.provenance()
     ev = evaluator_version("interpret")

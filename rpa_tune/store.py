@@ -68,6 +68,37 @@ def config_id(key_id: str, workload_id: str, bs, backend: str, kernel_hash: str,
     return hashlib.sha256(doc.encode()).hexdigest()[:20]
 
 
+# Rows that price the same thing: one key and workload, by one backend, for one kernel source.
+EVALUATION_GROUP = ("key_id", "workload_id", "backend", "kernel", "kernel_hash")
+
+
+def newest_evaluator(rows: list[dict]) -> list[dict]:
+    """``rows`` without those an evaluator version has superseded: in each
+    ``EVALUATION_GROUP``, only the rows of the evaluator version of its most recent row. A
+    new version re-prices configs (the compile backend's from cached probes); until a key
+    is re-priced its older rows stand."""
+    def get(r, k):       # a missing value (None, or NaN from a DataFrame) is None
+        v = r.get(k)
+        return None if v is None or (isinstance(v, float) and v != v) else v
+
+    group = lambda r: tuple(get(r, k) for k in EVALUATION_GROUP)
+    newest: dict[tuple, tuple] = {}
+    for r in rows:
+        g, t = group(r), str(get(r, "timestamp") or "")
+        if g not in newest or t > newest[g][0]:
+            newest[g] = (t, get(r, "evaluator_version"))
+    return [r for r in rows if get(r, "evaluator_version") == newest[group(r)][1]]
+
+
+def newest_evaluator_frame(df):
+    """``newest_evaluator`` for a DataFrame of store rows."""
+    if not len(df):
+        return df
+    recs = df.to_dict("records")
+    keep = {id(r) for r in newest_evaluator(recs)}
+    return df[[id(r) in keep for r in recs]]
+
+
 class ResultStore:
     def __init__(self, root: str | os.PathLike):
         self.root = Path(root)
@@ -106,6 +137,11 @@ class ResultStore:
     def read(self):
         """All rows as a pandas DataFrame (empty, with every column, when there are none)."""
         return self.read_table().to_pandas()
+
+    def read_current(self):
+        """``read`` without the rows a newer evaluator version has superseded
+        (``newest_evaluator``): what reports and comparisons show."""
+        return newest_evaluator_frame(self.read())
 
     def recorded(self) -> dict[str, dict]:
         """config_id -> its most recent row (as a dict)."""

@@ -14,7 +14,9 @@
 #   evaluates, outside its budget, every config the earlier buckets evaluated, priced from
 #   their cached probes). Only the explore buckets (rpa_tune/coverage.py: 128, 2048, 8192)
 #   search; the others ("fill" sweeps, --budget 1) evaluate their heuristic and what the
-#   explore buckets evaluated. JOBS=2, TIMEOUT=900 (s per config),
+#   explore buckets evaluated. REFINE=32: after its budget, each explore sweep climbs from its
+#   best config (`rpa-tune sweep --refine`: neighbours one or two block sizes doubled or
+#   halved, while one beats it, at most REFINE more). JOBS=2, TIMEOUT=900 (s per config),
 #   EXPORT=0 (sweep only).
 # Wall time on the 2-core, 24 GB machine the shipped tables came from: docs/tables.md
 # ("What is shipped").
@@ -23,6 +25,7 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}
 DECODE_BUDGET=${DECODE_BUDGET:-30}
 BUDGET=${BUDGET:-12}
+REFINE=${REFINE:-32}
 JOBS=${JOBS:-2}
 TIMEOUT=${TIMEOUT:-900}
 RESULTS=tables/results
@@ -39,10 +42,11 @@ while IFS=' ' read -r role line; do
   i=$((i + 1))
   eval "args=($line)"
   b=$BUDGET
+  r=$REFINE
   [ "${args[3]}" = decode ] && b=$DECODE_BUDGET
-  [ "$role" = fill ] && b=1
-  echo "=== [$i/$n] $role: sweep $line --budget $b ($(( ($(date +%s) - start) / 60 )) min so far)"
-  $PY -m rpa_tune.cli sweep "${args[@]}" --backend compile --budget "$b" --jobs "$JOBS" \
+  [ "$role" = fill ] && b=1 && r=0
+  echo "=== [$i/$n] $role: sweep $line --budget $b --refine $r ($(( ($(date +%s) - start) / 60 )) min so far)"
+  $PY -m rpa_tune.cli sweep "${args[@]}" --backend compile --budget "$b" --refine "$r" --jobs "$JOBS" \
     --timeout "$TIMEOUT" --results "$RESULTS" </dev/null \
     || echo "sweep [$i/$n] failed (exit $?); continuing"
 done <<< "$plan"

@@ -429,6 +429,34 @@ def test_decode_pipeline_model_bounds_and_fit():
         assert m.cycles(w) == pytest.approx(want, rel=0.01)
 
 
+def test_decode_pricing_keeps_page_dmas_at_or_above_the_hbm_peak():
+    """The profiler fetches a step's pages concurrently faster than HBM can deliver them:
+    pricing charges a step's DMA at least its pages' bytes at the peak (``page_floor``),
+    which changes a DMA-bound walk and leaves a compute-bound one alone; the fit itself is
+    to the probes' cycles as the profiler gave them."""
+    floor = compose.dma_page_floor("v5e", dataclasses.asdict(LLAMA), 128)
+    from kernel.hardware import tpu_info
+    from rpa_tune.estimator.calibration import calibration
+    # a page of Llama-3-8B's merged K/V: 128 tokens x 8 KV heads x 128 x (K, V) x 2 bytes
+    assert floor * tpu_info("v5e").mem_bw_bytes_per_second / calibration("v5e").clock_hz == pytest.approx(524288)
+    bs = BlockSizes(1, 512, 1, 512)
+    steps = compose.pipeline_steps(bs, 128, [2049] * 30)            # 30 sequences of four 4-page steps
+    dma_fast = (100.0, 50.0, 300.0, 200.0, 300.0, 100.0, 0.5 * floor)  # the profiler's DMA: half the floor
+    assert len(steps) == 120 and {s[0] for s in steps} == {4}
+    per_step = lambda th, fl: (compose.pipeline_cycles(th, steps, fl) - compose.pipeline_cycles(th, steps[:60], fl)) / 60
+    assert per_step(dma_fast, 0.0) == pytest.approx(100 + 2 * floor)           # > compute 300 + 200 (+ 50 / 4)
+    assert per_step(dma_fast, floor) == pytest.approx(4 * floor, rel=0.02)     # 4 pages a step at the peak
+    compute_bound = (100.0, 50.0, 9000.0, 3000.0, 300.0, 100.0, 2 * floor)
+    assert per_step(compute_bound, floor) == pytest.approx(per_step(compute_bound, 0.0))
+    plist = compose.probes("decode", bs, 128)
+    cycles = [compose.pipeline_cycles(dma_fast, compose.pipeline_steps(bs, 128, p.kv_lens)) for p in plist]
+    m = compose.fit("decode", bs, 128, plist, cycles, page_floor=floor)
+    assert m.probe_fit_error < 1e-3 and m.page_floor == floor
+    w = Workload.of_case("decode", [1] * 30, [2049] * 30)
+    assert m.cycles(w) >= 120 * 4 * floor
+    assert compose.model_from_json(m.to_json()) == m
+
+
 def test_profiler_child_logs_stay_in_its_temporary_folder_and_a_full_disk_is_named(monkeypatch):
     """libtpu's logs (over 100 MB per bundle-dump compile) go to the child's temporary
     folder, removed with it; a child killed by a full disk is the machine's failure,

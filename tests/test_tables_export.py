@@ -176,6 +176,20 @@ def test_repeated_rows_are_aggregated_and_newest_kernel_wins():
     assert e.provenance["kernel_hash"] == "k0" and e.provenance["budget"] == 2
 
 
+def test_a_newer_evaluator_version_supersedes_the_older_prices():
+    """Rows of an evaluator version the key was re-priced under replace the older version's
+    (never a median of both); a key not yet re-priced keeps its older rows."""
+    k, k2 = key(), key(t=4096)
+    old = dict(evaluator_version="compile-4", timestamp="2026-11-25T10:00:00Z")
+    new = dict(evaluator_version="compile-5", timestamp="2026-11-26T10:00:00Z")
+    rows = [row(k, H(k), 2e-4, **old), row(k, _other_bs(k, 0), 1e-4, **old), row(k, _other_bs(k, 1), 1.5e-4, **old),
+            row(k, H(k), 2e-4, **new), row(k, _other_bs(k, 0), 1.9e-4, **new), row(k, _other_bs(k, 1), 1.5e-4, **new),
+            row(k2, H(k2), 2e-4, **old), row(k2, _other_bs(k2, 0), 1e-4, **old)]
+    reports = {r.key: r.entry for r in _one(rows)}
+    assert tuple(reports[k].block_sizes) == _other_bs(k, 1) and reports[k].metric == pytest.approx(1.5e-4)
+    assert tuple(reports[k2].block_sizes) == _other_bs(k2, 0) and reports[k2].metric == pytest.approx(1e-4)
+
+
 def test_check_detects_stale_and_missing(tmp_path):
     rows = _sweep_rows(KEYS, gains=[0.1] * len(KEYS))
     write_results(tmp_path / "res", rows)

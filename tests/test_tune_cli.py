@@ -323,3 +323,62 @@ def test_rerunning_a_bucket_sweep_only_closes_the_buckets_and_then_asks_nothing(
     assert len(second) == len(first) + len(big - small)
     assert run(cmd, env=env).returncode == 0
     assert len(pd.read_parquet(res)) == len(second)
+
+
+def test_a_new_evaluator_version_re_prices_what_was_evaluated_and_nothing_else(tmp_path):
+    """After an evaluator version change, rerunning a `--buckets` sweep re-prices every
+    config the earlier version evaluated (the compile backend's from cached probes) and
+    proposes nothing new; export then takes the new version's prices only."""
+    import pandas as pd
+    res = tmp_path / "results"
+    env = {"RPA_TUNE_EVALUATOR_OVERRIDE": "tune_fakes:make_evaluator", "RPA_TUNE_KERNEL_HASH": "cli-version",
+           "PYTHONPATH": TESTS + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    cmd = ["sweep", "--tpu", "v6e", "--case", "prefill", "--model", "llama3-70b-tp8", "--backend", "compile",
+           "--search", "tpe", "--budget", "6", "--patience", "0", "--jobs", "1", "--buckets", "512,1024",
+           "--results", str(res)]
+    cfg = lambda d: set(map(tuple, d[["bq", "bkv", "cq", "ckv"]].to_numpy().tolist()))
+    assert run(cmd, env=env).returncode == 0
+    old = pd.read_parquet(res)
+    v2 = dict(env, RPA_TUNE_EVALUATOR_OVERRIDE="tune_fakes:make_evaluator_v2")
+    assert run(cmd, env=v2).returncode == 0
+    df = pd.read_parquet(res)
+    new = df[df["evaluator_version"] == "override:tune_fakes:make_evaluator_v2"]
+    for t in (512, 1024):
+        # the second bucket's finds reach the first one too (as on any rerun), nothing else
+        assert cfg(new[new["max_num_tokens"] == t]) == cfg(old), t
+    out = tmp_path / "tables"
+    assert run(["export", "--results", str(res), "--out", str(out)], env=v2).returncode == 0
+    doc = json.loads((out / "v6e.json").read_text())
+    assert doc["entries"] and all(e["provenance"]["config_id"] in set(new["config_id"]) for e in doc["entries"])
+
+
+def test_refine_climbs_with_parallel_jobs_to_a_local_optimum_and_a_rerun_adds_nothing(tmp_path):
+    """`--refine`: after its budget the sweep climbs from its best with two jobs in flight
+    (waiting for outcomes before it decides where to go when every neighbour it could ask is
+    running), ends at a local optimum of the fake landscape, and a rerun evaluates nothing."""
+    import pandas as pd
+    from kernel.config import BlockSizes
+    from rpa_tune.search import neighbours
+    from tune_fakes import fake_metric
+    res = tmp_path / "results"
+    env = {"RPA_TUNE_EVALUATOR_OVERRIDE": "tune_fakes:make_evaluator", "RPA_TUNE_KERNEL_HASH": "cli-refine",
+           "RPA_TUNE_FAKE_DELAY": "0.05", "PYTHONPATH": TESTS + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    cmd = ["sweep", "--tpu", "v6e", "--case", "prefill", "--model", "llama3-70b-tp8", "--backend", "compile",
+           "--search", "tpe", "--budget", "4", "--refine", "60", "--jobs", "2", "--results", str(res), "--json"]
+    r = run(cmd, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    doc = json.loads(r.stdout)
+    assert "local optimum" in doc[0]["stop_reason"], doc[0]["stop_reason"]
+    df = pd.read_parquet(res)
+    got = {BlockSizes(*map(int, x)) for x in df[["bq", "bkv", "cq", "ckv"]].to_numpy().tolist()}
+    best = min(got, key=fake_metric)
+    assert 4 < len(df) <= 4 + 60 and len(got) == len(df)
+    again = run(cmd, env=env)
+    assert again.returncode == 0 and len(pd.read_parquet(res)) == len(df)
+    # every neighbour of the best was evaluated and none beats it
+    from rpa_tune.cli import resolve_limits, resolve_model
+    from rpa_tune.space import context, enumerate_space, load_space
+    m, _ = resolve_model("llama3-70b-tp8", None, None, None, None, None)
+    cands = enumerate_space(load_space("v6e").for_case("prefill"),
+                            context(m, resolve_limits(128, 2048, 128, 8192), "v6e")).candidates
+    assert set(neighbours(best, set(cands))) <= got

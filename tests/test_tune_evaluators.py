@@ -402,3 +402,21 @@ def test_a_profiler_only_vmem_oom_is_profiled_again_with_the_vmem_size_override(
     else:
         assert r.status == "vmem_oom" and r.vmem_reported_bytes == 150 * MiB
         assert not any(a for _, a in calls)
+
+
+@pytest.mark.slow
+def test_hbm_bound_decode_estimate_passes_the_rate_audit(tmp_path, monkeypatch):
+    """Llama-3-8B decode on v5e at (1, 512, 1, 512), 64 sequences of ~2.6K context: the
+    probes' fit fetched its pages at 1.8x the HBM peak and the composed estimate came out
+    at 1.11x the peak, which the audit refused. Pricing each step's page DMAs at no less
+    than the peak (``compose.dma_page_floor``) makes it an audited estimate at or above the
+    memory bound, and leaves a compute-bound config's price where the probes put it."""
+    monkeypatch.setenv("RPA_TUNE_PROBE_CACHE", str(tmp_path))
+    from rpa_tune.workloads import make_workload
+    lim = ServingLimits(page_size=128, max_num_tokens=8192, max_num_seqs=128, max_model_len=8192)
+    w, _ = make_workload(Case.DECODE, lim, seed=0, path=None, num_seqs=64, context="lognormal:2048:0.8",
+                         chunk=None, num_chunks=None)
+    ev = CompileEvaluator()
+    r = ev.evaluate(Task("compile", "v5e", "decode", LLAMA, lim, w, BlockSizes(1, 512, 1, 512), timeout=1800))
+    assert r.status == "ok" and r.audit == "complete", r.message
+    assert r.memory_bound_s <= r.estimate_s <= 1.15 * r.memory_bound_s

@@ -117,3 +117,46 @@ def test_seeds_come_after_the_heuristic_and_outside_the_budget(kind):
     if kind != "grid":
         # two seeds that improve nothing did not count towards the patience of 3
         assert len(asked) > 4
+
+
+def _basin(target):
+    """A landscape with one optimum: cost grows with the log-distance of every block size
+    from ``target``'s (no two dimensions compensate each other)."""
+    import math
+    return lambda bs: 1e-4 * (1 + sum(abs(math.log2(a / b)) for a, b in zip(bs, target)))
+
+
+def test_neighbours_are_one_or_two_block_sizes_doubled_or_halved():
+    from rpa_tune.search import neighbours
+    cands = set(PREFILL)
+    for bs in PREFILL[::17]:
+        for nb in neighbours(bs, cands):
+            ratios = [a / b for a, b in zip(nb, bs) if a != b]
+            assert nb in cands and 1 <= len(ratios) <= 2 and set(ratios) <= {2.0, 0.5}
+        singles = [nb for nb in neighbours(bs, cands) if sum(a != b for a, b in zip(nb, bs)) == 1]
+        assert neighbours(bs, cands)[:len(singles)] == singles          # one-step moves first
+
+
+@pytest.mark.parametrize("kind", ["tpe", "random"])
+def test_refine_climbs_to_the_optimum_after_the_budget_and_stops_there(kind):
+    """After its budget the search climbs from its best: on a landscape whose optimum is
+    a chain of neighbour moves away, it ends on the optimum, asks nothing twice, stops by
+    itself at the local optimum (saying so), and never exceeds budget + refine asks."""
+    target = PREFILL[len(PREFILL) // 2]
+    obj = _basin(target)
+    first = max(PREFILL, key=obj)                                     # the worst config
+    s = make_search(kind, PREFILL, budget=4, seed=5, first=first, patience=0, refine=200)
+    asked = drive(s, 4 + 200, objective=obj)
+    assert target in asked and len(asked) == len(set(asked)) < 4 + 200
+    assert "local optimum" in s.stop_reason and str(tuple(target)) in s.stop_reason
+    capped = make_search(kind, PREFILL, budget=4, seed=5, first=first, patience=0, refine=3)
+    assert len(drive(capped, 1000, objective=obj)) == 4 + 3
+    plain = make_search(kind, PREFILL, budget=4, seed=5, first=first, patience=0)
+    assert target not in drive(plain, 4, objective=obj)             # the budget alone did not find it
+
+
+def test_refine_climbs_when_patience_runs_out_instead_of_stopping():
+    obj = lambda bs: 1e-3                                             # flat: nothing ever improves
+    s = make_search("tpe", PREFILL, budget=200, seed=0, patience=6, refine=5)
+    asked = drive(s, 1000, objective=obj)
+    assert len(asked) == 7 + 5 and "no improvement" not in s.stop_reason

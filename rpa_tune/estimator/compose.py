@@ -133,13 +133,14 @@ def pipeline_steps(bs: BlockSizes, page_size: int, kv_lens, sliding_window=None,
     return out
 
 
-def pipeline_cycles(theta, steps) -> float:
+def pipeline_cycles(theta, steps, page_floor: float = 0.0) -> float:
     """Cycles of decode's double-buffered walk: the pages of step k+1 are fetched while step k
     computes (the DMA of a step is issued when the previous step starts computing, and DMAs
     run one after another); a step computes once its pages have landed and the previous step
     is done. Compute of a step: ``step + chunk * chunks`` (+ ``partial`` when its last chunk
     is partial, + ``seq`` at a sequence's first step); its DMA: ``dma_step + dma_page *
-    pages``; ``call`` before the first step.
+    pages``, and never less than ``page_floor * pages`` (a page's bytes at the HBM peak:
+    ``dma_page_floor``); ``call`` before the first step.
 
     A sum of per-item costs cannot price decode where HBM is the bound (v5e, TPU7x): a
     step costs its compute when its pages are few and its DMA when they are many, so a
@@ -148,11 +149,28 @@ def pipeline_cycles(theta, steps) -> float:
     dma_done = issue = 0.0
     comp_end = call
     for pages, chunks, first, partial in steps:
-        dma_done = max(issue, dma_done) + d0 + d1 * pages
+        dma_done = max(issue, dma_done) + max(d0 + d1 * pages, page_floor * pages)
         start = max(comp_end + (seq if first else 0.0), dma_done)
         issue = start
         comp_end = start + c0 + c1 * chunks + (c2 if partial else 0.0)
     return comp_end
+
+
+def dma_page_floor(tpu: str, model: dict, page_size: int) -> float:
+    """The fewest cycles one page of merged K/V can take to fetch: its bytes at the HBM
+    peak (``kernel.hardware``) and the calibrated clock. The profiler lets a step's page
+    DMAs run concurrently at up to 1.5x (v5e, v6e, TPU7x) and 3x (v5p) that peak
+    (``calibration.json``: ``hbm_bw_double_buffered_bytes_per_second``), so a decode
+    pipeline fitted to its probes fetched a page of Llama-3-8B's 8 KV heads at 1.8x the
+    peak on v5e, and priced HBM-bound decode faster than HBM allows: the audit then refused
+    the configs the profiler flattered most. Pricing (not the fit) keeps each step's page
+    DMAs at or above this floor."""
+    from kernel.hardware import tpu_info
+    from kernel.workload import ModelShape
+    from . import audit as audit_mod
+    from .calibration import calibration
+    cal = calibration(tpu)
+    return audit_mod.token_bytes(ModelShape(**model)) * page_size * cal.clock_hz / tpu_info(tpu).mem_bw_bytes_per_second
 
 
 def _fit_pipeline(step_lists, cycles) -> tuple[np.ndarray, np.ndarray]:
@@ -215,13 +233,14 @@ class CostModel:
     kind: str = "linear"
     skip_dead_chunks: bool = True   # the generation's kernel skips dead prefill / mixed chunks
     walk_new: bool = False          # decode: the KV walk covers the new token (pipeline_steps)
+    page_floor: float = 0.0         # decode: cycles a page's DMA takes at least (dma_page_floor)
 
     def cycles(self, workload: Workload) -> float:
         if self.kind == "pipeline":
             lo, hi = workload.case_range(Case.DECODE)
             steps = pipeline_steps(BlockSizes(*self.block_sizes), self.page_size, workload.kv_lens[lo:hi],
                                    self.sliding_window, self.walk_new)
-            return pipeline_cycles(self.coef, steps)
+            return pipeline_cycles(self.coef, steps, self.page_floor)
         x = design(self.case, BlockSizes(*self.block_sizes), self.page_size, [workload], self.sliding_window,
                    self.skip_dead_chunks)[0]
         return float(x @ np.asarray(self.coef))
@@ -231,8 +250,11 @@ class CostModel:
 
 
 def fit(case: Case | str, bs: BlockSizes, page_size: int, probe_list: list[Probe], cycles: list[float],
-        sliding_window=None, skip_dead_chunks: bool = True, walk_new: bool = False) -> CostModel:
-    """Decode: the pipeline's seven costs by least squares on relative error (non-negative).
+        sliding_window=None, skip_dead_chunks: bool = True, walk_new: bool = False,
+        page_floor: float = 0.0) -> CostModel:
+    """Decode: the pipeline's seven costs by least squares on relative error (non-negative),
+    fitted to the probes' cycles as the profiler gave them; ``page_floor`` applies when the
+    model prices a workload (``pipeline_cycles``).
     Prefill / mixed: least-squares per-item costs from the probes' cycles. Items that never vary across
     the probes (always collinear with another, e.g. decode's q blocks with its sequences)
     get the minimum-norm share, which prices workloads of the same structure exactly."""
@@ -242,7 +264,7 @@ def fit(case: Case | str, bs: BlockSizes, page_size: int, probe_list: list[Probe
                                      for p in probe_list], cycles)
         return CostModel(case.value, tuple(bs), page_size, tuple(float(c) for c in coef),
                          tuple(float(c) for c in cycles), float(resid.max()), sliding_window, "pipeline",
-                         walk_new=walk_new)
+                         walk_new=walk_new, page_floor=float(page_floor))
     X = design(case, bs, page_size, [p.workload(case) for p in probe_list], sliding_window, skip_dead_chunks)
     y = np.asarray(cycles, dtype=np.float64)
     coef, *_ = np.linalg.lstsq(X, y, rcond=None)
@@ -330,13 +352,15 @@ def probe_config(*, builder: str, case: Case | str, bs: BlockSizes, tpu: str, mo
     source = kernel_hash()       # what the cache key holds; every probe must have compiled it
     path = os.path.join(_cache_dir(), _cache_key(doc) + ".json")
     window = (options or {}).get("sliding_window")
+    floor = dma_page_floor(tpu, model, limits["page_size"]) if case == Case.DECODE else 0.0
     if use_cache and os.path.exists(path):
         try:
             with open(path) as f:
                 out = json.load(f)
             if out.get("status") == "ok":   # the probes' cycles are cached; the fit is redone
                 out["model"] = fit(case, bs, limits["page_size"], plist,
-                                   [p["cycles"] for p in out["probes"]], window, skip, walk_new).to_json()
+                                   [p["cycles"] for p in out["probes"]], window, skip, walk_new,
+                                   floor).to_json()
             return out
         except (OSError, ValueError, KeyError, TypeError):
             pass
@@ -424,7 +448,8 @@ def probe_config(*, builder: str, case: Case | str, bs: BlockSizes, tpu: str, mo
         out["probes"].append(dict(q_lens=list(p.q_lens), kv_lens=list(p.kv_lens), cycles=r["cycles"],
                                   audit=a.to_json(), max_rss_bytes=r.get("max_rss_bytes"),
                                   compile_s=r.get("compile_s"), fast_forward=d["fast_forward"]))
-    m = fit(case, bs, limits["page_size"], plist, [p["cycles"] for p in out["probes"]], window, skip, walk_new)
+    m = fit(case, bs, limits["page_size"], plist, [p["cycles"] for p in out["probes"]], window, skip, walk_new,
+            floor)
     out["skip_dead_chunks"] = skip
     out["model"] = m.to_json()
     if use_cache:

@@ -43,7 +43,8 @@ from .base import EvalResult, Evaluator, Task
 class CompileEvaluator(Evaluator):
     name = "compile"
     method = "estimate"
-    version = "4"     # 4: decode probes price a partial last chunk when ckv == page_size
+    version = "5"     # 4: decode probes price a partial last chunk when ckv == page_size;
+    #                   5: decode prices a page's DMA at no less than its bytes at the HBM peak
 
     def __init__(self, *, profile: bool = True):
         self.profile = profile   # False: VMEM verdict only (plain compile, no estimate)
