@@ -518,7 +518,9 @@ def run_sweep(spec: SweepSpec, store: ResultStore, *, events: Events | None = No
         outcome.search_note = "; ".join(x for x in (outcome.search_note, (
             f"{len(search.seeds)} configs evaluated at other token buckets of the key first (outside the "
             "budget)")) if x)
-    limit = spec.budget + len(search.seeds) + spec.refine
+    # the head is always asked (replayed picks may outnumber the budget: rows recorded before
+    # seeds were marked as such count as picks), then the budget, the seeds and the climb
+    limit = max(spec.budget, len(search.head) - len(search.seeds)) + len(search.seeds) + spec.refine
     seeded = set(search.seeds)
     total = min(limit, len(plan.candidates))
     sweep_id = uuid.uuid4().hex[:12]

@@ -26,7 +26,8 @@ them before its own proposals. They do not count towards ``patience`` either.
 ``replay``: configs this sweep's own search picked in an earlier run (the engine reads them
 from the store); asked with the head and inside the budget, so a rerun of a finished sweep
 asks nothing new even when the seeds have changed since (the other buckets grew) and the
-search would now propose other configs. A replayed config is never also a seed.
+search would now propose other configs. A replayed config is never also a seed, is always
+asked (the engine's limit takes at least the head), and spends no patience.
 
 ``refine``: after its budget (or its patience), a search climbs from the best config told
 so far: it asks the best's neighbours (``neighbours``: one or two of bq, bkv, cq, ckv
@@ -103,7 +104,7 @@ class Search:
         self.first = first if first in set(self.candidates) else None
         self.replay = usable_seeds(self.candidates, self.first, replay)
         self.seeds = usable_seeds(self.candidates, self.first, seeds, self.replay)
-        self._free = set(self.seeds)
+        self._free = set(self.seeds) | set(self.replay)     # no patience spent on them
         self.patience = int(patience)
         self.best = math.inf
         self.since_best = 0

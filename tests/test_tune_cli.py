@@ -323,6 +323,11 @@ def test_rerunning_a_bucket_sweep_only_closes_the_buckets_and_then_asks_nothing(
     assert len(second) == len(first) + len(big - small)
     assert run(cmd, env=env).returncode == 0
     assert len(pd.read_parquet(res)) == len(second)
+    # a smaller budget still replays every earlier pick of a bucket (none is dropped)
+    small = run(cmd[:cmd.index("--budget") + 1] + ["1"] + cmd[cmd.index("--budget") + 2:] + ["--json"], env=env)
+    assert small.returncode == 0, small.stderr[-2000:]
+    for doc, t in zip(json.loads(small.stdout), (512, 1024)):
+        assert doc["resumed"] == len(second[second["max_num_tokens"] == t]) and doc["evaluated"] == 0
 
 
 def test_a_new_evaluator_version_re_prices_what_was_evaluated_and_nothing_else(tmp_path):
