@@ -283,19 +283,31 @@ def test_each_bucket_starts_from_the_configs_the_earlier_buckets_evaluated(tmp_p
     evaluated (outside the budget), then its own budget of new proposals."""
     import pandas as pd
     res = tmp_path / "results"
-    env = {"RPA_TUNE_EVALUATOR_OVERRIDE": "tune_fakes:make_evaluator", "RPA_TUNE_KERNEL_HASH": "cli-seeds",
-           "PYTHONPATH": TESTS + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    r = run(["sweep", "--tpu", "v6e", "--case", "prefill", "--model", "llama3-70b-tp8", "--backend", "compile",
-             "--search", "tpe", "--budget", "6", "--patience", "0", "--jobs", "1", "--buckets", "512,1024",
-             "--results", str(res), "--json"], env=env)
+    cmd, env = _fake_bucket_sweep(res, "cli-seeds")
+    r = run(cmd + ["--json"], env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     df = pd.read_parquet(res)
-    cfg = lambda d: set(map(tuple, d[["bq", "bkv", "cq", "ckv"]].to_numpy().tolist()))
+    cfg = _configs
     small, big = cfg(df[df["max_num_tokens"] == 512]), cfg(df[df["max_num_tokens"] == 1024])
     # every config of the first bucket, then the second one's budget (its heuristic included)
     assert len(small) == 6 and small < big and len(big - small) in (5, 6)
     doc = json.loads(r.stdout)
     assert "configs evaluated at other token buckets" in doc[1]["search_note"] and not doc[0]["search_note"]
+
+
+def _fake_bucket_sweep(res, tag: str):
+    """A two-bucket TPE sweep of the fake compile evaluator (budget 6, one job): its command
+    and environment."""
+    env = {"RPA_TUNE_EVALUATOR_OVERRIDE": "tune_fakes:make_evaluator", "RPA_TUNE_KERNEL_HASH": tag,
+           "PYTHONPATH": TESTS + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    cmd = ["sweep", "--tpu", "v6e", "--case", "prefill", "--model", "llama3-70b-tp8", "--backend", "compile",
+           "--search", "tpe", "--budget", "6", "--patience", "0", "--jobs", "1", "--buckets", "512,1024",
+           "--results", str(res)]
+    return cmd, env
+
+
+def _configs(df) -> set:
+    return set(map(tuple, df[["bq", "bkv", "cq", "ckv"]].to_numpy().tolist()))
 
 
 def test_rerunning_a_bucket_sweep_only_closes_the_buckets_and_then_asks_nothing(tmp_path):
@@ -304,12 +316,8 @@ def test_rerunning_a_bucket_sweep_only_closes_the_buckets_and_then_asks_nothing(
     earlier picks are replayed inside the budget); a third run evaluates nothing."""
     import pandas as pd
     res = tmp_path / "results"
-    env = {"RPA_TUNE_EVALUATOR_OVERRIDE": "tune_fakes:make_evaluator", "RPA_TUNE_KERNEL_HASH": "cli-rerun",
-           "PYTHONPATH": TESTS + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    cmd = ["sweep", "--tpu", "v6e", "--case", "prefill", "--model", "llama3-70b-tp8", "--backend", "compile",
-           "--search", "tpe", "--budget", "6", "--patience", "0", "--jobs", "1", "--buckets", "512,1024",
-           "--results", str(res)]
-    cfg = lambda d: set(map(tuple, d[["bq", "bkv", "cq", "ckv"]].to_numpy().tolist()))
+    cmd, env = _fake_bucket_sweep(res, "cli-rerun")
+    cfg = _configs
     assert run(cmd, env=env).returncode == 0
     first = pd.read_parquet(res)
     small, big = (cfg(first[first["max_num_tokens"] == t]) for t in (512, 1024))
@@ -336,12 +344,8 @@ def test_a_new_evaluator_version_re_prices_what_was_evaluated_and_nothing_else(t
     proposes nothing new; export then takes the new version's prices only."""
     import pandas as pd
     res = tmp_path / "results"
-    env = {"RPA_TUNE_EVALUATOR_OVERRIDE": "tune_fakes:make_evaluator", "RPA_TUNE_KERNEL_HASH": "cli-version",
-           "PYTHONPATH": TESTS + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    cmd = ["sweep", "--tpu", "v6e", "--case", "prefill", "--model", "llama3-70b-tp8", "--backend", "compile",
-           "--search", "tpe", "--budget", "6", "--patience", "0", "--jobs", "1", "--buckets", "512,1024",
-           "--results", str(res)]
-    cfg = lambda d: set(map(tuple, d[["bq", "bkv", "cq", "ckv"]].to_numpy().tolist()))
+    cmd, env = _fake_bucket_sweep(res, "cli-version")
+    cfg = _configs
     assert run(cmd, env=env).returncode == 0
     old = pd.read_parquet(res)
     v2 = dict(env, RPA_TUNE_EVALUATOR_OVERRIDE="tune_fakes:make_evaluator_v2")
