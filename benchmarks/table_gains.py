@@ -62,9 +62,10 @@ def main() -> int:
         es = groups.get((g, c), [])
         s = [x for x in map(speedup, es) if x is not None]
         failed = sum(1 for e in es if e.heuristic_metric is None and e.promoted)
-        gm = math.exp(sum(map(math.log, s)) / len(s)) if s else float("nan")
-        lines.append(f"| {g} | {c} | {len(es)} | {sum(e.promoted for e in es)} | {gm:.3f}x | "
-                     f"{min(s, default=float('nan')):.3f}x | {max(s, default=float('nan')):.3f}x | {failed} | {stale[(g, c)]} |")
+        x = lambda v: f"{v:.3f}x"
+        gains = (x(math.exp(sum(map(math.log, s)) / len(s))), x(min(s)), x(max(s))) if s else ("-",) * 3
+        lines.append(f"| {g} | {c} | {len(es)} | {sum(e.promoted for e in es)} | " + " | ".join(gains)
+                     + f" | {failed} | {stale[(g, c)]} |")
     a.out.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
