@@ -34,7 +34,7 @@ from .evaluators import base, evaluator_version
 from .evaluators.base import EvalResult, Task
 from .search import SEEDED, make_search
 from .space import CaseSpace, context, enumerate_space
-from .store import ResultStore, config_id
+from .store import ResultStore, config_id, row_block_sizes
 from .worker import MARK, PARENT_ENV
 from .workloads import workload_id
 
@@ -457,10 +457,6 @@ def _priced_alike(r: dict, spec: SweepSpec, ctx: SweepContext) -> bool:
             and all(r.get(k) == v for k, v in spec.key.as_dict().items() if k != "max_num_tokens"))
 
 
-def _row_bs(r: dict) -> BlockSizes:
-    return BlockSizes(int(r["bq"]), int(r["bkv"]), int(r["cq"]), int(r["ckv"]))
-
-
 def sibling_configs(spec: SweepSpec, ctx: SweepContext, recorded: dict) -> list[BlockSizes]:
     """The configs evaluated ``ok`` for the same key at other token buckets (same kernel,
     kernel hash and backend; any workload and evaluator version), best first: a sweep over
@@ -473,7 +469,7 @@ def sibling_configs(spec: SweepSpec, ctx: SweepContext, recorded: dict) -> list[
             if r.get("status") == base.OK and r.get("metric") is not None
             and r.get("max_num_tokens") != spec.key.max_num_tokens and _priced_alike(r, spec, ctx)]
     rows.sort(key=lambda r: r["metric"])
-    return list(dict.fromkeys(map(_row_bs, rows)))
+    return list(dict.fromkeys(map(row_block_sizes, rows)))
 
 
 def own_picks(spec: SweepSpec, ctx: SweepContext, recorded: dict) -> list[BlockSizes]:
@@ -483,7 +479,7 @@ def own_picks(spec: SweepSpec, ctx: SweepContext, recorded: dict) -> list[BlockS
     finished ``--buckets`` sweep evaluates nothing new although its seeds have grown since,
     and after a new evaluator version it re-prices what it picked before."""
     return list(dict.fromkeys(
-        _row_bs(r) for r in recorded.values()        # (in the order they were recorded)
+        row_block_sizes(r) for r in recorded.values()        # (in the order they were recorded)
         if r.get("search") == spec.search and not r.get("is_heuristic")
         and r.get("max_num_tokens") == spec.key.max_num_tokens and r.get("workload_id") == ctx.wid
         and _priced_alike(r, spec, ctx)))

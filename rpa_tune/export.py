@@ -192,7 +192,8 @@ def _row_key(r) -> TuningKey:
 
 
 def _row_bs(r) -> BlockSizes:
-    return BlockSizes(*(int(r[c]) for c in ("bq", "bkv", "cq", "ckv")))
+    from .store import row_block_sizes
+    return row_block_sizes(r)
 
 
 def _aggregate(rows: list[dict]) -> dict[BlockSizes, ConfigStats]:

@@ -68,6 +68,12 @@ def config_id(key_id: str, workload_id: str, bs, backend: str, kernel_hash: str,
     return hashlib.sha256(doc.encode()).hexdigest()[:20]
 
 
+def row_block_sizes(r) -> "BlockSizes":
+    """The block sizes a results row evaluated."""
+    from kernel.config import BlockSizes
+    return BlockSizes(*(int(r[c]) for c in ("bq", "bkv", "cq", "ckv")))
+
+
 # Rows that price the same thing: one key and workload, by one backend, for one kernel source.
 EVALUATION_GROUP = ("key_id", "workload_id", "backend", "kernel", "kernel_hash")
 
