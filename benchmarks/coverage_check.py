@@ -21,7 +21,8 @@ worst gap; keys whose sweeps have not run yet are listed as pending.
 
     python benchmarks/coverage_check.py [--run] [--max-keys N] [--jobs 2]
 
-Without ``--run`` it only reports from the results there are.
+Without ``--run`` it only reports from the results there are. ``--run --ahead`` also sweeps
+sampled keys the generation has not reached (its probes of them are then cached).
 """
 from __future__ import annotations
 
@@ -83,6 +84,9 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--run", action="store_true", help="run the exhaustive sweeps still missing")
     ap.add_argument("--max-keys", type=int, default=None, help="--run: at most this many keys this time")
+    ap.add_argument("--ahead", action="store_true",
+                    help="--run: also keys the generation has not reached yet (after the ready ones, in "
+                         "plan order); their probes are then cached when it does")
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "coverage_check.md")
     a = ap.parse_args()
@@ -95,7 +99,13 @@ def main() -> int:
     marker = a.results / "complete.json"        # keys whose grid sweep finished
     if a.run:
         a.results.mkdir(parents=True, exist_ok=True)
-        for k in ready[:a.max_keys]:
+        finished = set(json.loads(marker.read_text())) if marker.exists() else set()
+        order = {sw: i for i, sw in enumerate(coverage.plan())}
+        by_plan = lambda ks: sorted(ks, key=lambda k: order[sweep_of(k)])
+        todo = by_plan(k for k in ready if k.id() not in finished)
+        if a.ahead:
+            todo += by_plan(k for k in keys if k not in ready and k.id() not in finished)
+        for k in todo[:a.max_keys]:
             sw = sweep_of(k)
             args = sw.args()
             i = args.index("--buckets")

@@ -22,6 +22,7 @@ tables hold it.
 from __future__ import annotations
 
 import dataclasses
+import os
 import shlex
 import sys
 
@@ -135,24 +136,61 @@ def expected_keys(sweeps: list | None = None) -> list:
     return keys
 
 
+def shard(sweeps: list[Sweep], index: int, count: int) -> list[Sweep]:
+    """Part ``index`` (1-based) of ``count`` of a plan, for as many machines: the keys
+    (generation, shape, case, page size) go round-robin in plan order, each with its explore
+    and fill sweeps (the fill prices what its explore evaluated, from probes cached on the
+    machine that ran it). The parts are disjoint and together the whole plan."""
+    if not 1 <= index <= count:
+        raise ValueError(f"shard {index}/{count}: the part must be 1..{count}")
+    groups: dict = {}
+    for sw in sweeps:
+        groups.setdefault((sw.generation, sw.shape, sw.case, sw.page_size), []).append(sw)
+    return [sw for i, g in enumerate(groups.values()) if i % count == index - 1 for sw in g]
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+    """``"K/N"`` -> (K, N), 1 <= K <= N; ValueError naming the value otherwise."""
+    try:
+        k, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise ValueError(f"--shard {text!r}: expected K/N, e.g. 2/4 (part K of N)") from None
+    if not 1 <= k <= n:
+        raise ValueError(f"--shard {text!r}: K must be 1..N")
+    return k, n
+
+
 def main(argv: list[str]) -> int:
-    """``python -m rpa_tune.coverage plan [--gen G] [--shape NAME] [--case C]`` (each
-    repeatable): one line per sweep of the plan: its role, then its sweep arguments."""
+    """``python -m rpa_tune.coverage plan [--gen G] [--shape NAME] [--case C] [--shard K/N]``
+    (the first three repeatable): one line per sweep of the plan (``--shard``: of its part K
+    of N, ``shard``): its role, then its sweep arguments."""
     import argparse
     ap = argparse.ArgumentParser(prog="python -m rpa_tune.coverage")
     ap.add_argument("command", choices=["plan"])
     ap.add_argument("--gen", action="append", choices=GENERATIONS)
     ap.add_argument("--shape", action="append", choices=[s.name for s in SHAPES])
     ap.add_argument("--case", action="append", choices=CASES)
+    ap.add_argument("--shard", default="1/1", help="K/N: part K of N of the plan, for N machines")
     a = ap.parse_args(argv)
+    try:
+        part = parse_shard(a.shard)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     shapes = tuple(s for s in SHAPES if not a.shape or s.name in a.shape)
     gens = tuple(a.gen or ESTIMABLE)
     for g in set(gens) & set(NEEDS_A_DEVICE):
         print(f"{g}: no estimate is possible ({NEEDS_A_DEVICE[g]}); its sweeps need --backend tpu on a {g}",
               file=sys.stderr)
         return 2
-    for sw in plan(generations=gens, shapes=shapes, cases=tuple(a.case or CASES)):
-        print(sw.role, shlex.join(sw.args()))
+    lines = [f"{sw.role} {shlex.join(sw.args())}\n"
+             for sw in shard(plan(generations=gens, shapes=shapes, cases=tuple(a.case or CASES)), *part)]
+    try:
+        sys.stdout.writelines(lines)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # the reader stopped early (`| head`): not an error; keep Python's exit-time flush quiet
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0
 
 

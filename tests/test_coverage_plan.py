@@ -1,0 +1,59 @@
+"""``python -m rpa_tune.coverage plan``: the sweeps ``tables/generate.sh`` runs, whole or in
+parts for several machines (``--shard K/N``)."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rpa_tune import coverage
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _key(sw):
+    return sw.generation, sw.shape.name, sw.case, sw.page_size
+
+
+@pytest.mark.parametrize("count", [1, 2, 5, 7])
+def test_shards_split_the_plan_by_key(count):
+    whole = coverage.plan()
+    parts = [coverage.shard(whole, k, count) for k in range(1, count + 1)]
+    # disjoint and complete, each keeping the plan's order
+    assert sorted((id(sw) for p in parts for sw in p)) == sorted(id(sw) for sw in whole)
+    for p in parts:
+        assert p == [sw for sw in whole if sw in p]
+    # a key's explore and fill sweeps stay on one machine, explore first
+    for p in parts:
+        for sw in p:
+            roles = [s.role for s in p if _key(s) == _key(sw)]
+            assert roles == ["explore", "fill"], (_key(sw), roles)
+    # balanced to within one key
+    sizes = [len({_key(sw) for sw in p}) for p in parts]
+    assert max(sizes) - min(sizes) <= 1, sizes
+
+
+def _plan(*args, pipe_to_head=False):
+    cmd = [sys.executable, "-m", "rpa_tune.coverage", "plan", *args]
+    if pipe_to_head:
+        cmd = ["bash", "-c", " ".join(cmd) + " | head -1; exit ${PIPESTATUS[0]}"]
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+
+
+def test_plan_cli_shard_and_bad_shard():
+    r = _plan("--gen", "v6e", "--shard", "2/3")
+    assert r.returncode == 0, r.stderr
+    want = coverage.shard(coverage.plan(generations=("v6e",)), 2, 3)
+    assert len(r.stdout.splitlines()) == len(want) > 0
+    assert all(line.startswith(("explore --tpu v6e ", "fill --tpu v6e ")) for line in r.stdout.splitlines())
+    for bad in ("4/3", "x"):
+        r = _plan("--shard", bad)
+        assert r.returncode == 2 and r.stdout == ""
+        assert len(r.stderr.strip().splitlines()) == 1 and repr(bad) in r.stderr, r.stderr
+
+
+def test_plan_cli_quiet_when_the_reader_stops_early():
+    """``plan | head``: no BrokenPipeError traceback, exit 0."""
+    r = _plan(pipe_to_head=True)
+    assert r.returncode == 0 and r.stdout.count("\n") == 1
+    assert "Traceback" not in r.stderr and "BrokenPipe" not in r.stderr, r.stderr
