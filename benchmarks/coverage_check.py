@@ -100,14 +100,14 @@ def main() -> int:
     if a.run:
         a.results.mkdir(parents=True, exist_ok=True)
         finished = set(json.loads(marker.read_text())) if marker.exists() else set()
+        sweeps = {k.id(): sweep_of(k) for k in keys}
         order = {sw: i for i, sw in enumerate(coverage.plan())}
-        by_plan = lambda ks: sorted(ks, key=lambda k: order[sweep_of(k)])
+        by_plan = lambda ks: sorted(ks, key=lambda k: order[sweeps[k.id()]])
         todo = by_plan(k for k in ready if k.id() not in finished)
         if a.ahead:
             todo += by_plan(k for k in keys if k not in ready and k.id() not in finished)
         for k in todo[:a.max_keys]:
-            sw = sweep_of(k)
-            args = sw.args()
+            args = sweeps[k.id()].args()
             i = args.index("--buckets")
             args[i + 1] = str(k.max_num_tokens)
             cmd = [sys.executable, "-m", "rpa_tune.cli", "sweep", *args, "--backend", "compile", "--search", "grid",
