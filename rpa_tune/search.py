@@ -31,13 +31,14 @@ asked (the engine's limit takes at least the head), and spends no patience.
 
 ``refine``: after its budget (or its patience), a search climbs from the best config told
 so far: it asks the best's neighbours (``neighbours``: one or two of bq, bkv, cq, ckv
-doubled or halved) not asked yet, moving on whenever one beats it, until every neighbour of
-the best has been evaluated (a local optimum) or ``refine`` climb asks are spent. On the
-exhaustively swept v5e mixed key (Llama-3-70B TP8 at the 2048 bucket) TPE alone came
-within 2 % of the exhaustive best for 8 of 20 seeds at budget 12 and 14 of 20 at budget 24
-(worst +27 %): its landscape has a basin whose best is two block sizes away from the
-optimum. Budget 12 and a climb of at most 32 found the optimum for 20 of 20, there and on
-the other swept keys (benchmarks/README.md, "Search"). The engine counts ``refine``
+doubled or halved, or bq with cq and bkv with ckv) not asked yet, moving on whenever one
+beats it, until every neighbour of the best has been evaluated (a local optimum) or
+``refine`` climb asks are spent. On the exhaustively swept v5e mixed key (Llama-3-70B TP8
+at the 2048 bucket) TPE alone came within 2 % of the exhaustive best for 8 of 20 seeds at
+budget 12 and 14 of 20 at budget 24 (worst +27 %): its landscape has a basin whose best is
+two block sizes away from the optimum. Budget 12 and a climb of at most 32 found the
+optimum for 20 of 20 there and on the other swept prefill and mixed keys, and for 19 of 20
+on v5p decode bucket 512 (benchmarks/README.md, "Search"). The engine counts ``refine``
 outside the budget.
 
 Same seed and same outcomes give the same order (with one job; parallel jobs change the
@@ -67,14 +68,23 @@ def usable_seeds(candidates, first, seeds, replay=()) -> list[BlockSizes]:
     return list(dict.fromkeys(b for b in map(BlockSizes.coerce, seeds) if b in cands and b not in skip))
 
 
+# A climbing step, as (dimension, factor) pairs over (bq, bkv, cq, ckv): one block size
+# doubled or halved; then two at once; last, both pairs tied (bq with cq, bkv with ckv),
+# one scaled up and the other down or both the same way. The tied four-way move is what a
+# decode space needs: its candidates keep cq = bq and often ckv = bkv, so (1, 2048, 1, 2048)
+# and (2, 1024, 2, 1024) were not neighbours and a climb stopped on the worse one (v5p
+# decode bucket 512: 2 of 20 replayed seeds within 2 % of the exhaustive best, 19 of 20
+# with the tied move; benchmarks/README.md, "Search").
 MOVES = tuple(itertools.chain(
     (((d, f),) for d in range(4) for f in (2, 0.5)),
-    (((d, f), (e, g)) for d, e in itertools.combinations(range(4), 2) for f in (2, 0.5) for g in (2, 0.5))))
+    (((d, f), (e, g)) for d, e in itertools.combinations(range(4), 2) for f in (2, 0.5) for g in (2, 0.5)),
+    (((0, f), (2, f), (1, g), (3, g)) for f in (2, 0.5) for g in (2, 0.5))))
 
 
 def neighbours(bs: BlockSizes, candidates) -> list[BlockSizes]:
     """The candidates one climbing step from ``bs``: one block size doubled or halved, then
-    two at once (a KV block and its compute chunk often move together), in a fixed order."""
+    two at once (a KV block and its compute chunk often move together), then the query pair
+    and the KV pair each scaled together (``MOVES``), in a fixed order."""
     cands = candidates if isinstance(candidates, (set, frozenset)) else set(candidates)
     out = []
     for move in MOVES:

@@ -126,15 +126,38 @@ def _basin(target):
     return lambda bs: 1e-4 * (1 + sum(abs(math.log2(a / b)) for a, b in zip(bs, target)))
 
 
-def test_neighbours_are_one_or_two_block_sizes_doubled_or_halved():
+def test_neighbours_are_one_or_two_block_sizes_doubled_or_halved_or_both_pairs_tied():
     from rpa_tune.search import neighbours
     cands = set(PREFILL)
     for bs in PREFILL[::17]:
-        for nb in neighbours(bs, cands):
-            ratios = [a / b for a, b in zip(nb, bs) if a != b]
-            assert nb in cands and 1 <= len(ratios) <= 2 and set(ratios) <= {2.0, 0.5}
-        singles = [nb for nb in neighbours(bs, cands) if sum(a != b for a, b in zip(nb, bs)) == 1]
-        assert neighbours(bs, cands)[:len(singles)] == singles          # one-step moves first
+        nbs = neighbours(bs, cands)
+        for nb in nbs:
+            r = [a / b for a, b in zip(nb, bs)]
+            moved = [x for x in r if x != 1]
+            assert nb in cands and set(moved) <= {2.0, 0.5}
+            # one or two block sizes, or all four with bq, cq tied and bkv, ckv tied
+            assert 1 <= len(moved) <= 2 or (r[0] == r[2] and r[1] == r[3] and len(moved) == 4)
+        sizes = [sum(a != b for a, b in zip(nb, bs)) for nb in nbs]
+        assert sizes == sorted(sizes)                                   # smaller moves first
+
+
+def test_the_climb_leaves_a_basin_only_a_tied_four_way_move_leaves():
+    """The v5p decode trap, synthetic: the candidates keep cq = bq and ckv = bkv, the best is
+    (2, 1024, 2, 1024) and (1, 2048, 1, 2048) beats every config one or two block sizes
+    away. A climb from there reaches the best through the tied move (bq, cq doubled, bkv,
+    ckv halved), and without it (the moves of at most two) it would stop."""
+    from rpa_tune.search import neighbours
+    from kernel.config import BlockSizes
+    cands = [BlockSizes(q, kv, q, kv) for q in (1, 2, 4, 8) for kv in (256, 512, 1024, 2048, 4096)]
+    score = {BlockSizes(2, 1024, 2, 1024): 1.0, BlockSizes(1, 2048, 1, 2048): 1.1}
+    obj = lambda bs: score.get(bs, 2.0 + bs.bq / 100 + bs.bkv / 1e5)      # noqa: E731
+    trap = BlockSizes(1, 2048, 1, 2048)
+    small = [nb for nb in neighbours(trap, set(cands)) if sum(a != b for a, b in zip(nb, trap)) <= 2]
+    assert small and all(obj(nb) > obj(trap) for nb in small)           # a trap for small moves
+    s = make_search("tpe", cands, budget=1, seed=0, first=trap, patience=0, refine=30)
+    asked = drive(s, 31, objective=obj)
+    assert BlockSizes(2, 1024, 2, 1024) in asked and len(asked) == len(set(asked)) < 31
+    assert "local optimum" in s.stop_reason and "(2, 1024, 2, 1024)" in s.stop_reason
 
 
 @pytest.mark.parametrize("kind", ["tpe", "random"])
