@@ -102,7 +102,8 @@ def sweep(
                                  "0.5% improvement (0: never)."),
     refine: int = typer.Option(0, "--refine", min=0, help="tpe / random: after --budget (or --patience), climb "
                                "from the best config: evaluate its neighbours (one or two block sizes doubled "
-                               "or halved, or bq with cq and bkv with ckv) while one beats it, at most this many more (0: no climb)."),
+                               "or halved, or bq with cq and bkv with ckv) while one beats it, at most this many "
+                               "more (0: no climb)."),
     jobs: int = typer.Option(2, "--jobs", "-j", min=1, help="Parallel evaluations (worker processes); with the "
                              "compile backend each compiles its config's probes on cores / jobs processes "
                              "(RPA_TUNE_PROBE_WORKERS overrides); the tpu backend uses 1."),
