@@ -33,7 +33,9 @@ files, whatever the order of rows or files):
 
    No heuristic row in the group: not promoted (``heuristic_metric = null``, the decision
    says so). Heuristic configuration disqualified (e.g. ``vmem_oom``): the best is
-   promoted whatever the gain (the heuristic would not work for this key).
+   promoted whatever the gain (the heuristic would not work for this key). Our kernel's
+   estimates of a generation and case whose estimates are refused
+   (``rpa_tune.coverage.NEEDS_A_DEVICE_CASES``: TPU7x prefill and mixed) are not promoted.
    Non-promoted keys are still written (``promoted: false``): they stop the lookup's
    bucketing rule from borrowing a neighbouring bucket's sizes for a key where the
    heuristic was found as good.
@@ -225,6 +227,12 @@ def _margin(method: str, best: ConfigStats, heur: ConfigStats | None) -> float:
     return max(MEASURED_MIN_GAIN, MEASURED_SPREAD_FACTOR * max(rel + [0.0]))
 
 
+def _needs_a_device(key: TuningKey) -> str | None:
+    """Why estimates of this key's generation and case are refused (``rpa_tune.coverage``)."""
+    from .coverage import NEEDS_A_DEVICE_CASES
+    return NEEDS_A_DEVICE_CASES.get((key.generation, Case.parse(key.case).value))
+
+
 def select_key(key: TuningKey, rows: list[dict], kernel: str = "rpa-tune") -> KeyReport:
     """The table entry for one key from its result rows (see the module docstring)."""
     disq: dict[BlockSizes, str] = {}
@@ -285,8 +293,14 @@ def select_key(key: TuningKey, rows: list[dict], kernel: str = "rpa-tune") -> Ke
     elif heur is None:
         promoted = False
         heur_metric = None
-        decision = (f"not promoted: no heuristic baseline {tuple(hbs) if hbs else '(none)'} in the "
-                    f"results (method {method}); evaluate it to allow promotion")
+        if hbs is not None and any(_row_bs(r) == hbs and _str(r.get("status")) == "ok" for r in rows):
+            # evaluated, but its estimate is unaudited (metric NaN: the audit found work
+            # missing or an impossible rate), so there is nothing to compare against
+            decision = (f"not promoted: the heuristic {tuple(hbs)} was evaluated, but its estimate failed "
+                        f"the audit (no time), so there is no baseline to beat")
+        else:
+            decision = (f"not promoted: no heuristic baseline {tuple(hbs) if hbs else '(none)'} in the "
+                        f"results (method {method}); evaluate it to allow promotion")
     else:
         heur_metric = heur.metric
         gain = round(heur.metric / best.metric - 1.0, 6)
@@ -299,6 +313,11 @@ def select_key(key: TuningKey, rows: list[dict], kernel: str = "rpa-tune") -> Ke
         else:
             promoted = False
             decision = f"not promoted: gain {gain:.2%} <= margin {margin:.2%} ({method})"
+    device = _needs_a_device(key) if method == "estimate" and kernel == "rpa-tune" else None
+    if device and promoted:
+        promoted = False
+        decision = (f"not promoted: {key.generation} {key.case} estimates are refused ({device}); "
+                    f"tune it on a device (rpa-tune sweep --backend tpu)")
     rep = best.rows[0]
     prov = {k: None for k in PROVENANCE_FIELDS}
     for k in ("jax_version", "jaxlib_version", "libtpu_version", "git_sha", "search",

@@ -539,6 +539,13 @@ def _render_coverage(add, cov: Coverage) -> None:
                     add(f"<td class=\"c {cls}\"{title}>{text}</td>")
             add("</tr>")
     add("</tbody></table>")
+    device = {}
+    for (g, c), why in matrix.NEEDS_A_DEVICE_CASES.items():
+        if g in cov.generations and c in cov.cases:
+            device.setdefault(why, []).append(f"{g} {c}")
+    for why, pairs in device.items():
+        add(f"<p><b>Needs a device</b>: {_e(', '.join(pairs))}: {_e(why)}. Their estimates are not "
+            "promoted (<code>rpa-tune export</code>); tune them with <code>--backend tpu</code>.</p>")
 
 
 def _render_section(add, s: KeySection) -> None:

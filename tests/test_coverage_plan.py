@@ -57,3 +57,19 @@ def test_plan_cli_quiet_when_the_reader_stops_early():
     r = _plan(pipe_to_head=True)
     assert r.returncode == 0 and r.stdout.count("\n") == 1
     assert "Traceback" not in r.stderr and "BrokenPipe" not in r.stderr, r.stderr
+
+
+def test_cases_that_need_a_device_stay_in_the_matrix_but_are_not_swept():
+    """TPU7x prefill / mixed: no audited estimate is possible (coverage.NEEDS_A_DEVICE_CASES).
+    The generation's plan skips them, with a line on stderr; they stay matrix keys."""
+    pairs = {(sw.generation, sw.case) for sw in coverage.plan(estimable_only=True)}
+    assert {("tpu7x", "prefill"), ("tpu7x", "mixed")}.isdisjoint(pairs) and ("tpu7x", "decode") in pairs
+    assert ("tpu7x", "prefill") in {(sw.generation, sw.case) for sw in coverage.plan()}
+    assert any(k.generation == "tpu7x" and k.case == "mixed" for k in coverage.expected_keys())
+    r = _plan("--gen", "tpu7x")
+    assert r.returncode == 0 and r.stdout, r.stderr
+    assert all(" --case decode " in line for line in r.stdout.splitlines())
+    assert "skipped tpu7x prefill (needs a device" in r.stderr
+    r = _plan("--gen", "tpu7x", "--case", "mixed")
+    assert r.returncode == 2 and r.stdout == ""
+    assert len(r.stderr.strip().splitlines()) == 1 and "tpu7x mixed: no estimate is possible" in r.stderr

@@ -208,6 +208,65 @@ def test_a_probe_whose_fast_forwarded_trace_misses_work_is_profiled_again_withou
     assert calls and not any(calls)          # decode never fast-forwards
 
 
+def test_probes_whose_cycles_ignore_their_cached_kv_are_not_composed(monkeypatch, tmp_path):
+    """TPU7x's profiler charged 256 queries the same 18,497 cycles after 0 to 1,024 cached
+    tokens although their traces held the extra steps' matmuls: a fit to such probes priced
+    cached KV at nothing. Such probes are profiled again without fast-forward, and if their
+    cycles still ignore the work the config's audit is incomplete (also when read from the
+    probe cache); probes whose cycles grow with the work pass."""
+    bs = BlockSizes(256, 512, 32, 256)
+    plist = compose.probes("prefill", bs, 256, skip_dead_chunks=False)
+    flat = [18497 if len(p.q_lens) == 1 and p.q_lens[0] == 256 else 23176 for p in plist]
+    grows = [1000 + 3 * sum(p.kv_lens) + 500 * len(p.q_lens) for p in plist]
+    why = compose.inconsistent_probes("prefill", bs, 256, plist, flat, skip_dead_chunks=False)
+    assert why and all("no more than" in w for w in why)
+    assert not compose.inconsistent_probes("prefill", bs, 256, plist, grows, skip_dead_chunks=False)
+    # decode's pipeline model prices hidden page DMAs by design: not checked
+    dec = compose.probes("decode", BlockSizes(1, 512, 1, 256), 128)
+    assert not compose.inconsistent_probes("decode", BlockSizes(1, 512, 1, 256), 128, dec, [5] * len(dec))
+
+    calls = []
+    plain_grows = [True]
+
+    def fake_profile(builder, req, *, timeout=None, expect_kernel_hash=None, fast_forward=False, **kw):
+        calls.append(fast_forward)
+        kv = sum(req["workload"]["kv_lens"])
+        cyc = 18497 if fast_forward or not plain_grows[0] else 1000 + 3 * kv
+        return {"status": "ok", "cycles": cyc, "trace": {}, "max_rss_bytes": 1, "compile_s": 0.1, "lower_s": 0.1}
+
+    _probe_with(monkeypatch, tmp_path, fake_profile)
+    model, lim = dataclasses.asdict(LLAMA), dataclasses.asdict(LIM)
+    cfg = BlockSizes(128, 512, 128, 256)            # fast-forwarded at page 128 on v6e
+    n = len(compose.probes("prefill", cfg, LIM.page_size))
+    pr = compose.probe_config(builder=compose.OURS, case="prefill", bs=cfg, tpu="v6e", model=model, limits=lim)
+    assert calls == [True] * n + [False] * n        # the whole config again, without fast-forward
+    assert pr["audit"] == audit.COMPLETE and not pr["consistency"]
+    assert not any(p["fast_forward"] for p in pr["probes"])
+
+    calls.clear()
+    plain_grows[0] = False                          # the profiler's cycles ignore the work either way
+    pr = compose.probe_config(builder=compose.OURS, case="mixed", bs=cfg, tpu="v6e", model=model, limits=lim)
+    assert calls == [True] * n + [False] * n
+    assert pr["status"] == "ok" and pr["audit"] == audit.INCOMPLETE
+    assert any("cannot be composed" in r for r in pr["reasons"])
+    calls.clear()
+    again = compose.probe_config(builder=compose.OURS, case="mixed", bs=cfg, tpu="v6e", model=model, limits=lim)
+    assert calls == [] and again["audit"] == audit.INCOMPLETE and again["reasons"] == pr["reasons"]
+
+    # a fast-forwarded record from before the check is not trusted: profiled again without it
+    plain_grows[0] = True
+    monkeypatch.setattr(compose, "inconsistent_probes", lambda *a, **k: [])
+    compose.probe_config(builder=compose.OURS, case="prefill", bs=BlockSizes(128, 256, 128, 256), tpu="v6e",
+                         model=model, limits=lim)
+    monkeypatch.undo()
+    _probe_with(monkeypatch, tmp_path, fake_profile)
+    calls.clear()
+    pr = compose.probe_config(builder=compose.OURS, case="prefill", bs=BlockSizes(128, 256, 128, 256), tpu="v6e",
+                              model=model, limits=lim)
+    m = len(compose.probes("prefill", BlockSizes(128, 256, 128, 256), LIM.page_size))
+    assert calls == [False] * m and pr["audit"] == audit.COMPLETE
+
+
 def _probe_with(monkeypatch, tmp_path, fake_profile) -> None:
     """``compose.probe_config`` with ``fake_profile`` in place of the profiler child, every
     trace passing its audit, and the probe cache in ``tmp_path``."""
@@ -215,7 +274,7 @@ def _probe_with(monkeypatch, tmp_path, fake_profile) -> None:
         verdict, reasons, notes = audit.COMPLETE, [], []
 
         def to_json(self):
-            return {}
+            return {"verdict": audit.COMPLETE, "reasons": []}
 
     monkeypatch.setattr(profiler, "profile", fake_profile)
     monkeypatch.setattr(audit, "audit_trace", lambda tr, need, cal, page_bytes=None: Complete())

@@ -220,6 +220,14 @@ def test_page_images_escaping_and_estimate_label(page, data):
     assert text.count('class="c tuned"') == 1 and text.count('class="c not-promoted"') == 2
     assert "×1.25 (+25.0%)" in text          # key A: 2.5e-4 / 2.0e-4
     assert "incomplete: 1" in text
+    # the cases no estimate can cover here are named under the matrix, with the reason
+    assert "<b>Needs a device</b>: tpu7x prefill, tpu7x mixed: " in text
+    assert html.escape(matrix_reason()) in text
+
+
+def matrix_reason():
+    from rpa_tune import coverage
+    return coverage.NEEDS_A_DEVICE_CASES[("tpu7x", "prefill")]
 
 
 def test_rerun_into_its_own_output_and_never_into_a_foreign_one(page, results, tables_dir, tmp_path):

@@ -345,3 +345,29 @@ def test_export_names_workload_ambiguity_and_lets_the_user_choose(tmp_path):
     assert r.exit_code == 0 and "workloads" not in r.output
     e = Table.read(tmp_path / "b" / "v6e.json").by_key()[k]
     assert e.provenance["workload_id"] == "wA" and e.gain == pytest.approx(0.3)
+
+
+def test_estimates_of_a_case_that_needs_a_device_are_not_promoted():
+    """TPU7x prefill / mixed estimates are refused (rpa_tune.coverage.NEEDS_A_DEVICE_CASES):
+    a winning estimate there is written, not promoted, and says why; a device measurement is."""
+    k = key("tpu7x", "prefill", t=512)
+    (rep,) = _one(_sweep_rows([k], gains=[0.5]))
+    assert rep.entry.promoted is False and "tpu7x prefill estimates are refused" in rep.entry.decision
+    assert "--backend tpu" in rep.entry.decision
+    (rep,) = _one(_sweep_rows([k], gains=[0.5], method="measured"))
+    assert rep.entry.promoted is True, rep.entry.decision
+    (rep,) = _one(_sweep_rows([key("tpu7x", "decode")], gains=[0.5]))
+    assert rep.entry.promoted is True, rep.entry.decision
+
+
+def test_a_heuristic_evaluated_without_an_audited_estimate_is_named_as_such():
+    """An evaluated heuristic whose estimate failed the audit (metric NaN) is no baseline; the
+    decision says so instead of asking for it to be evaluated."""
+    k = key()
+    rows = _sweep_rows([k], gains=[0.5])
+    for r in rows:
+        if (r["bq"], r["bkv"], r["cq"], r["ckv"]) == H(k):
+            r["metric"] = float("nan")
+    (rep,) = _one(rows)
+    assert rep.entry.promoted is False and rep.entry.heuristic_metric is None
+    assert "was evaluated, but its estimate failed the audit" in rep.entry.decision, rep.entry.decision
