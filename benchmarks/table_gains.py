@@ -54,7 +54,8 @@ def main() -> int:
              f"static estimate: not a device time), entries tuned for the current kernel source ({current}; "
              "entries of earlier kernels are only counted, in the last column). Speedup = "
              "heuristic's time / the time of what the kernel runs (1 where the entry is not promoted), both "
-             "from the entry's own sweep.", "",
+             "from the entry's own sweep. Generations and cases whose estimates are refused "
+             "(`rpa_tune.coverage.NEEDS_A_DEVICE_CASES`) have no gain here.", "",
              "| generation | case | keys | promoted | geomean | worst | best | heuristic failed | stale entries |",
              "|---|---|---|---|---|---|---|---|---|"]
     order = {g: i for i, g in enumerate(coverage.GENERATIONS)}
@@ -64,6 +65,8 @@ def main() -> int:
         failed = sum(1 for e in es if e.heuristic_metric is None and e.promoted)
         x = lambda v: f"{v:.3f}x"
         gains = (x(math.exp(sum(map(math.log, s)) / len(s))), x(min(s)), x(max(s))) if s else ("-",) * 3
+        if coverage.needs_a_device(g, c) and all(e.method == "estimate" for e in es):
+            gains = ("needs a device: estimates refused", "-", "-")    # rpa_tune.coverage.NEEDS_A_DEVICE_CASES
         lines.append(f"| {g} | {c} | {len(es)} | {sum(e.promoted for e in es)} | " + " | ".join(gains)
                      + f" | {failed} | {stale[(g, c)]} |")
     a.out.write_text("\n".join(lines) + "\n")
