@@ -33,7 +33,7 @@ from kernel.config import GENERATIONS, Case, TuningKey
 from .report import Group, winners, wrong_configs
 
 MARKER = ".rpa-tune-report"
-COVERAGE_STATES = ("tuned", "not promoted", "stale", "missing")
+COVERAGE_STATES = ("tuned", "not promoted", "stale", "missing", "needs a device")
 CASES = tuple(c.value for c in Case)
 FAILED_COLOR = "#b0b0b0"
 WINNER_COLOR = "#e8112d"
@@ -166,7 +166,9 @@ def coverage(df, entries, sections=()) -> Coverage:
     tables hold a promoted entry for it tuned for the current kernel source, ``not
     promoted`` when results or a current non-promoted entry exist but no promoted one,
     ``stale`` when its only entries or results are another kernel source's, else
-    ``missing``. Rows: the shapes of the shipped
+    ``missing``; ``needs a device`` instead of any but ``tuned`` where no estimate of its
+    generation and case is trusted (``coverage.NEEDS_A_DEVICE_CASES``). Rows: the shapes of
+    the shipped
     matrix (``rpa_tune.coverage``; a shape and its sliding-window keys are two rows), then
     the other presets, then any other shape in the results or tables. Buckets: the
     matrix's and the keys' ``max_num_tokens``. Page size and model length are folded into
@@ -237,6 +239,8 @@ def coverage(df, entries, sections=()) -> Coverage:
                         state = "stale"
                     else:
                         state = "missing"
+                    if state != "tuned" and matrix.NEEDS_A_DEVICE_CASES.get((g, c)):
+                        state = "needs a device"     # no estimate of it is trusted (rpa_tune.coverage)
                     keys = sorted({k.id() for k in ks})
                     anchor = next((anchors[k] for k in keys if k in anchors), None)
                     cells[(g, s, c, t)] = CoverageCell(state, keys, anchor)
@@ -443,7 +447,7 @@ table{border-collapse:collapse;font-size:13px}
 th,td{border:1px solid #d6d6d6;padding:3px 7px;text-align:left;vertical-align:top}
 th{background:#f3f3f3}
 table.cov td.c{text-align:center;min-width:72px;white-space:nowrap}
-td.tuned{background:#c8ecc9} td.not-promoted{background:#fde3a7} td.stale{background:#f6c6c6} td.missing{background:#f1f1f1;color:#999}
+td.tuned{background:#c8ecc9} td.not-promoted{background:#fde3a7} td.stale{background:#f6c6c6} td.missing{background:#f1f1f1;color:#999} td.needs-a-device{background:#dde4f0;color:#556}
 td.c a{color:inherit}
 .key{border:1px solid #ddd;border-radius:6px;padding:12px;margin:18px 0;background:#fcfcfc}
 .key img{max-width:100%;height:auto;display:block;margin-top:8px}
@@ -498,7 +502,8 @@ def _render_coverage(add, cov: Coverage) -> None:
         "of the key, as the tables key them). <b>tuned</b>: the tables hold a promoted entry; <b>not "
         "promoted</b>: results (or a non-promoted entry) exist, but no promoted entry (the winner did not beat "
         "the heuristic by the margin, or it was not exported); <b>stale</b>: only entries or results of an "
-        "earlier kernel source (the kernel uses such entries, with a warning); <b>missing</b>: none of these. The first rows are the "
+        "earlier kernel source (the kernel uses such entries, with a warning); <b>missing</b>: none of these; <b>needs a device</b>: a generation and "
+        "case whose estimates are refused (below), unless tuned. The first rows are the "
         "shapes the shipped tables promise (<code>rpa_tune/coverage.py</code>). Page size and model length "
         "are folded into a cell (hover it for its keys; a link goes to the key below).</p>")
     counts = Counter(c.state for c in cov.cells.values())
