@@ -352,6 +352,9 @@ def probe_config(*, builder: str, case: Case | str, bs: BlockSizes, tpu: str, mo
     public kernel, ``rpa_tune.estimator.public``): its audit does not ask for those bytes.
     ``extra_libtpu_args``: more libtpu flags for the profiled compiles (the VMEM size
     override, ``rpa_tune.evaluators.compile``); part of the cache key.
+    The probes' cycles are also checked against each other (``inconsistent_probes``, on
+    every call, cached or not): a config failing it is profiled again without
+    fast-forward, and if it still fails its ``audit`` is incomplete (``consistency`` says why).
     """
     import json
     import time
