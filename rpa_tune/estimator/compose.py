@@ -481,10 +481,11 @@ def probe_config(*, builder: str, case: Case | str, bs: BlockSizes, tpu: str, mo
             ran = dict(zip(order, pool.map(run, [plist[i] for i in order])))
         done = [ran[i] for i in range(len(plist)) if ran[i] is not None]
         ok = len(done) == len(plist) and all(d["result"]["status"] == "ok" for d in done)
-        # Probes whose cycles miss work their traces hold (``inconsistent_probes``): when
-        # fast-forwarded, the whole config is profiled again without it.
-        if not (ok and any(d["fast_forward"] for d in done) and inconsistent_probes(
-                case, bs, limits["page_size"], plist, [d["result"]["cycles"] for d in done], window, skip)):
+        why = inconsistent_probes(case, bs, limits["page_size"], plist, [d["result"]["cycles"] for d in done],
+                                  window, skip) if ok else []
+        # Probes whose cycles miss work their traces hold: when fast-forwarded, the whole
+        # config is profiled again without it.
+        if not (why and any(d["fast_forward"] for d in done)):
             break
         forward_failed.set()
         spent_before["compile_s"] += sum(d["compile_s"] for d in done)
@@ -505,9 +506,9 @@ def probe_config(*, builder: str, case: Case | str, bs: BlockSizes, tpu: str, mo
         out["probes"].append(dict(q_lens=list(p.q_lens), kv_lens=list(p.kv_lens), cycles=r["cycles"],
                                   audit=a.to_json(), max_rss_bytes=r.get("max_rss_bytes"),
                                   compile_s=r.get("compile_s"), fast_forward=d["fast_forward"]))
-    cycles = [p["cycles"] for p in out["probes"]]
-    m = fit(case, bs, limits["page_size"], plist, cycles, window, skip, walk_new, floor)
-    _judge(out, inconsistent_probes(case, bs, limits["page_size"], plist, cycles, window, skip))
+    m = fit(case, bs, limits["page_size"], plist, [p["cycles"] for p in out["probes"]], window, skip, walk_new,
+            floor)
+    _judge(out, why)
     out["skip_dead_chunks"] = skip
     out["model"] = m.to_json()
     if use_cache:
