@@ -281,6 +281,45 @@ def _probe_with(monkeypatch, tmp_path, fake_profile) -> None:
     monkeypatch.setenv("RPA_TUNE_PROBE_CACHE", str(tmp_path))
 
 
+@pytest.mark.parametrize("crash,cached", [
+    ({"returncode": -9, "cause": "memory_cap", "cap_bytes": 3 << 30,
+      "message": "the static profiler passed the memory cap of 3.0 GB"}, True),
+    ({"returncode": -6, "cause": "libtpu_abort", "message": "Check failed: TakeStatus() is OK"}, True),
+    ({"returncode": -9, "message": "killed by the machine"}, False),      # no cause: not the program's
+])
+def test_a_crash_the_program_causes_is_kept_for_the_configs_other_buckets(monkeypatch, tmp_path, crash, cached):
+    """A probe that passes the profiler's memory cap or makes libtpu abort does so at every
+    token bucket of the key (they share the probes): the verdict is cached and returned
+    without compiling, saying so, until the memory cap is raised. Other crashes are not
+    kept."""
+    calls = []
+
+    def fake_profile(builder, req, *, timeout=None, expect_kernel_hash=None, fast_forward=False, **kw):
+        calls.append(req["workload"]["kv_lens"])
+        return dict(crash, status="crash", max_rss_bytes=5)
+
+    _probe_with(monkeypatch, tmp_path, fake_profile)
+    monkeypatch.setenv("RPA_ESTIMATE_MAX_RSS_GB", "3")
+    args = dict(builder=compose.OURS, case="prefill", bs=BlockSizes(128, 512, 128, 256), tpu="v5e",
+                model=dataclasses.asdict(LLAMA), limits=dataclasses.asdict(LIM))
+    first = compose.probe_config(**args)
+    n = len(calls)          # (a fast-forwarded probe that crashed is compiled again without: 2)
+    assert first["status"] == "crash" and n in (1, 2) and not first.get("cached")
+    again = compose.probe_config(**args)
+    if not cached:
+        assert len(calls) == 2 * n and not again.get("cached")
+        return
+    assert len(calls) == n and again["status"] == "crash" and again["cached"] and again["compile_s"] == 0
+    assert again["message"].startswith("recorded for this config's probes before") and crash["message"] in again["message"]
+    # another config is compiled as usual
+    compose.probe_config(**dict(args, bs=BlockSizes(128, 256, 128, 256)))
+    assert len(calls) > n
+    n = len(calls)
+    monkeypatch.setenv("RPA_ESTIMATE_MAX_RSS_GB", "6")          # a higher cap: the cap crash is tried again
+    compose.probe_config(**args)
+    assert (len(calls) > n) == (crash.get("cause") == "memory_cap")
+
+
 def test_probes_of_a_config_compile_in_parallel_in_order_and_stop_after_a_failure(monkeypatch, tmp_path):
     """``workers`` probes compile at once, the largest programs (most q blocks) first; the
     fit sees them in probe order whatever order they ran and finished in; once one fails,

@@ -367,6 +367,39 @@ def test_after_a_profiler_crash_the_plain_compile_takes_the_vmem_retries(monkeyp
     assert "retried with" in r.message and "compiles without the profiler" in r.message
 
 
+def test_after_a_profiler_crash_the_plain_compile_takes_the_smallest_probe_not_the_bucket(monkeypatch):
+    """The VMEM verdict after a profiler crash compiles the config's smallest probe (one q
+    block of bq tokens, no cached context) instead of the token bucket's 8 x 1024-token
+    prefill, under limits that admit it; a decode batch smaller than any decode probe is
+    compiled as it is. (The plain compile is faked: it records what it was given.)"""
+    lim = ServingLimits(page_size=128, max_num_tokens=8192, max_num_seqs=128, max_model_len=8192)
+    bucket = Workload.of_case("prefill", [1024] * 8, [1024 + 512 * i for i in range(8)])
+    t = Task("compile", "v5e", "prefill", LLAMA, lim, bucket, BlockSizes(256, 1024, 32, 256), timeout=60)
+    ev = CompileEvaluator()
+    seen = []
+
+    def plain(task, limit, remaining):
+        seen.append(task)
+        return {"status": "ok", "lower_s": 0.1, "compile_s": 0.2}
+
+    monkeypatch.setattr(ev, "_plain_compile", plain)
+    import time as _time
+    r = ev._after_profiler_crash(t, 32 * MiB, _time.monotonic() + 60, {"returncode": -9, "message": "cap"}, [],
+                                 {"device_kind": "deviceless TPU v5 lite"})
+    (small,) = seen
+    assert (small.workload.q_lens, small.workload.kv_lens) == ((256,), (256,))
+    assert small.workload.case_range("prefill") == (0, 1)
+    assert small.bs == t.bs and small.model == t.model and small.limits.page_size == 128
+    assert r.status == "crash" and "smallest probe, 1 sequence, 256 queries, 256 KV tokens" in r.message
+    # decode: a 1-sequence batch is smaller than the decode probes (4 x bq sequences)
+    seen.clear()
+    d = Task("compile", "v6e", "decode", LLAMA, lim, Workload.of_case("decode", [1], [100]), BlockSizes(1, 512, 1, 256),
+             timeout=60)
+    ev._after_profiler_crash(d, 32 * MiB, _time.monotonic() + 60, {"returncode": -6, "message": "abort"}, [],
+                             {"device_kind": "deviceless TPU v6 lite"})
+    assert seen == [d]
+
+
 @pytest.mark.parametrize("plain_fits", [True, False])
 def test_a_profiler_only_vmem_oom_is_profiled_again_with_the_vmem_size_override(monkeypatch, plain_fits):
     """The profiled probes run out of the chip's VMEM (the profiler's HLO temp) at every

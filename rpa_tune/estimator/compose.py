@@ -89,6 +89,13 @@ def partial_chunk_probe(bs: BlockSizes, page_size: int) -> bool:
     return bs.ckv == page_size
 
 
+def smallest_probe(case: Case | str, bs: BlockSizes, page_size: int, skip_dead_chunks: bool = True) -> Probe:
+    """The config's probe with the fewest tokens (KV, then queries): the cheapest whole
+    program of the config, which a plain compile needs for the VMEM verdict only (the
+    kernel's VMEM depends on the block sizes and the model, not on the workload)."""
+    return min(probes(case, bs, page_size, skip_dead_chunks), key=lambda p: (sum(p.kv_lens), sum(p.q_lens)))
+
+
 PROBE_MIN_TOKENS = 2048   # the token bucket probes are compiled at, unless one needs more
 
 
@@ -402,6 +409,13 @@ def probe_config(*, builder: str, case: Case | str, bs: BlockSizes, tpu: str, mo
         try:
             with open(path) as f:
                 out = json.load(f)
+            if out.get("status") != "ok":
+                # a crash the program causes (_write_cache): the same probes crash again,
+                # unless the memory cap has been raised since
+                if out.get("cause") == profiler.MEMORY_CAP and profiler.rss_cap_bytes() > out.get("cap_bytes", 0):
+                    raise ValueError("the memory cap was raised")
+                return dict(out, compile_s=0.0, cached=True, message="recorded for this config's probes before "
+                            f"(not profiled again): {out.get('message', '')}")
             if out.get("status") == "ok":   # the probes' cycles are cached; the fit and the check are redone
                 cycles = [p["cycles"] for p in out["probes"]]
                 out["model"] = fit(case, bs, limits["page_size"], plist, cycles, window, skip, walk_new,
@@ -499,8 +513,11 @@ def probe_config(*, builder: str, case: Case | str, bs: BlockSizes, tpu: str, mo
     for d in done:
         p, r, a = d["probe"], d["result"], d["audit"]
         if r["status"] != "ok":
-            return dict(r, probe=dict(q_lens=p.q_lens, kv_lens=p.kv_lens), compile_s=out["compile_s"],
-                        max_rss_bytes=out["max_rss_bytes"])
+            failed_out = dict(r, probe=dict(q_lens=list(p.q_lens), kv_lens=list(p.kv_lens)),
+                              compile_s=out["compile_s"], max_rss_bytes=out["max_rss_bytes"])
+            if use_cache and r.get("cause") in (profiler.MEMORY_CAP, profiler.LIBTPU_ABORT):
+                _write_cache(path, failed_out)
+            return failed_out
         if a.notes:
             out.setdefault("notes", []).append(f"probe {list(p.q_lens)}/{list(p.kv_lens)}: {a.notes[0]}")
         out["probes"].append(dict(q_lens=list(p.q_lens), kv_lens=list(p.kv_lens), cycles=r["cycles"],
@@ -512,12 +529,22 @@ def probe_config(*, builder: str, case: Case | str, bs: BlockSizes, tpu: str, mo
     out["skip_dead_chunks"] = skip
     out["model"] = m.to_json()
     if use_cache:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = path + f".{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(out, f)
-        os.replace(tmp, path)
+        _write_cache(path, out)
     return out
+
+
+def _write_cache(path: str, out: dict) -> None:
+    """A config's probe verdict, written whole or not at all. Besides ``ok`` ones, the
+    crashes its program causes (``profiler.MEMORY_CAP``, ``profiler.LIBTPU_ABORT``): they
+    are what the same probes give again at every token bucket of the key, and each cost
+    up to minutes (five repeats among the 51 crashed rows of tables/results and
+    benchmarks/results/exhaustive: 1,431 s)."""
+    import json
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = path + f".{os.getpid()}.{threading.get_ident()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(out, f)
+    os.replace(tmp, path)
 
 
 def model_from_json(d: dict) -> CostModel:

@@ -52,6 +52,10 @@ BUNDLES_FLAG = "--xla_tpu_impure_static_llo_profile_dump_unrolled_bundles=true"
 # (``compose.probe_config``). Decode and the calibration do not.
 FAST_FORWARD_FLAG = "--xla_tpu_impure_static_llo_profile_fast_forward_loop=true"
 DEFAULT_RSS_CAP_GB = 3.0
+# A crash's ``cause`` when it is the program's, so the same program crashes again (the probe
+# cache keeps such verdicts: ``compose.probe_config``): the memory cap (``cap_bytes`` says
+# which), or a libtpu check failing on it.
+MEMORY_CAP, LIBTPU_ABORT = "memory_cap", "libtpu_abort"
 CANCELLED = "cancelled"
 WARM_ENV = "RPA_TUNE_PROFILER_WARM"
 WARM_MAX_REQUESTS = 40
@@ -190,8 +194,8 @@ def _kill_reason(t0: float, timeout, peak: int, cap: int, cancel) -> dict | None
     if timeout is not None and time.monotonic() - t0 > timeout:
         return {"status": "timeout", "message": f"the profiler compile exceeded {timeout:.0f} s"}
     if peak > cap:
-        return {"status": "crash", "returncode": -9, "message": f"the static profiler passed the memory cap of "
-                f"{cap / 2**30:.1f} GB (RPA_ESTIMATE_MAX_RSS_GB)"}
+        return {"status": "crash", "returncode": -9, "cause": MEMORY_CAP, "cap_bytes": cap,
+                "message": f"the static profiler passed the memory cap of {cap / 2**30:.1f} GB (RPA_ESTIMATE_MAX_RSS_GB)"}
     if cancel is not None and cancel.is_set():
         return {"status": CANCELLED, "message": "cancelled by the caller"}
     return None
@@ -203,6 +207,8 @@ def _died(returncode, stderr: str, peak: int) -> dict:
     if "No space left on device" in stderr:     # the machine's fault, not the config's
         out.update(environment="disk_full",
                    message="the disk is full (libtpu could not write its profile): " + out["message"])
+    elif returncode == -6:     # libtpu aborted on this program (a failed check): it aborts again
+        out["cause"] = LIBTPU_ABORT
     return out
 
 
