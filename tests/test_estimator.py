@@ -281,6 +281,21 @@ def _probe_with(monkeypatch, tmp_path, fake_profile) -> None:
     monkeypatch.setenv("RPA_TUNE_PROBE_CACHE", str(tmp_path))
 
 
+def test_a_crash_names_its_cause_only_when_the_program_causes_it():
+    """The profiler's verdicts that the probe cache keeps (``cause``): passing the memory cap
+    (with the cap), a libtpu abort (SIGABRT); not a kill by anything else, not a full disk."""
+    import time as time_mod
+    capped = profiler._kill_reason(time_mod.monotonic(), 600, 5 << 30, 3 << 30, None)
+    assert capped["cause"] == profiler.MEMORY_CAP and capped["cap_bytes"] == 3 << 30
+    assert profiler._kill_reason(time_mod.monotonic(), 600, 2 << 30, 3 << 30, None) is None
+    assert "cause" not in profiler._kill_reason(time_mod.monotonic() - 700, 600, 1, 3 << 30, None)   # timeout
+    abort = "F1123 llo_module.cc:75] Check failed: TakeStatus() is OK ... Raising signal 6"
+    assert profiler._died(-6, abort, 1)["cause"] == profiler.LIBTPU_ABORT
+    assert "cause" not in profiler._died(-9, "", 1)
+    full = profiler._died(-6, "write failed: No space left on device", 1)
+    assert "cause" not in full and full["environment"] == "disk_full"
+
+
 @pytest.mark.parametrize("crash,cached", [
     ({"returncode": -9, "cause": "memory_cap", "cap_bytes": 3 << 30,
       "message": "the static profiler passed the memory cap of 3.0 GB"}, True),
