@@ -416,15 +416,15 @@ def probe_config(*, builder: str, case: Case | str, bs: BlockSizes, tpu: str, mo
                     raise ValueError("the memory cap was raised")
                 return dict(out, compile_s=0.0, cached=True, message="recorded for this config's probes before "
                             f"(not profiled again): {out.get('message', '')}")
-            if out.get("status") == "ok":   # the probes' cycles are cached; the fit and the check are redone
-                cycles = [p["cycles"] for p in out["probes"]]
-                out["model"] = fit(case, bs, limits["page_size"], plist, cycles, window, skip, walk_new,
-                                   floor).to_json()
-                _judge(out, inconsistent_probes(case, bs, limits["page_size"], plist, cycles, window, skip))
-                if out["consistency"] and any(p.get("fast_forward") for p in out["probes"]):
-                    # recorded before the check: profile again without fast-forward (below)
-                    forward_failed.set()
-                    raise ValueError("inconsistent fast-forwarded probes")
+            # ok: the probes' cycles are cached; the fit and the check are redone
+            cycles = [p["cycles"] for p in out["probes"]]
+            out["model"] = fit(case, bs, limits["page_size"], plist, cycles, window, skip, walk_new,
+                               floor).to_json()
+            _judge(out, inconsistent_probes(case, bs, limits["page_size"], plist, cycles, window, skip))
+            if out["consistency"] and any(p.get("fast_forward") for p in out["probes"]):
+                # recorded before the check: profile again without fast-forward (below)
+                forward_failed.set()
+                raise ValueError("inconsistent fast-forwarded probes")
             return out
         except (OSError, ValueError, KeyError, TypeError):
             pass
