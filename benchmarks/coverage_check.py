@@ -69,6 +69,17 @@ def rows_of(df, key):
     return df[m & df["metric"].notna()]
 
 
+def current_version(key) -> str:
+    """The compile backend's evaluator version for ``key``'s case today."""
+    from rpa_tune.evaluators import evaluator_version
+    return evaluator_version("compile", key.case)
+
+
+def exhaustive_version(rows) -> str:
+    """The evaluator version of a key's newest exhaustive rows."""
+    return str(rows.sort_values("timestamp")["evaluator_version"].iloc[-1])
+
+
 def read(path: Path):
     import pandas as pd
     from rpa_tune.store import ResultStore
@@ -100,9 +111,14 @@ def main() -> int:
     keys = [k for k in keys if k not in device]
     ready = [k for k in keys if len(rows_of(current, k))]
     marker = a.results / "complete.json"        # keys whose grid sweep finished
+    ex = read(a.results)
+    # keys whose exhaustive grid an older evaluator version priced (a case's new version,
+    # rpa_tune.evaluators.evaluator_version): compared with nothing, and swept again by --run
+    stale = {k.id() for k in keys if len(rows_of(ex, k)) and exhaustive_version(rows_of(ex, k)) != current_version(k)}
     if a.run:
         a.results.mkdir(parents=True, exist_ok=True)
         finished = set(json.loads(marker.read_text())) if marker.exists() else set()
+        finished -= stale
         sweeps = {k.id(): sweep_of(k) for k in keys}
         order = {sw: i for i, sw in enumerate(coverage.plan(estimable_only=True))}
         by_plan = lambda ks: sorted(ks, key=lambda k: order[sweeps[k.id()]])
@@ -120,22 +136,25 @@ def main() -> int:
             if r.returncode == 0:          # the grid ran to its end: the key's exhaustive best is known
                 done = set(json.loads(marker.read_text())) if marker.exists() else set()
                 marker.write_text(json.dumps(sorted(done | {k.id()}), indent=0) + "\n")
-    ex = read(a.results)
+        ex = read(a.results)
+        stale = {k.id() for k in keys
+                 if len(rows_of(ex, k)) and exhaustive_version(rows_of(ex, k)) != current_version(k)}
     complete = set(json.loads(marker.read_text())) if marker.exists() else set()
     lines = ["# Budgeted search against the exhaustive best (compile backend, audited estimates)", "",
              f"Sample: {len(keys) + len(device)} of {len(coverage.expected_keys())} matrix keys ({a.fraction:.0%}, "
              f"seed {a.seed}; "
              "`benchmarks/coverage_check.py`). Gap = budgeted best / exhaustive best - 1, both in one group "
-             "(kernel hash, workload).", "",
+             "(kernel hash, workload, evaluator version).", "",
              "| key | candidates | budgeted best (bs, us) | exhaustive best (bs, us) | gap |", "|---|---|---|---|---|"]
     gaps, pending = [], []
     for k in keys:
         g, e = rows_of(gen, k), rows_of(ex, k)
-        if not len(e) or not len(g) or k.id() not in complete:
+        if not len(e) or not len(g) or k.id() not in complete or k.id() in stale:
             pending.append(k)
             continue
         e = e[e["kernel_hash"] == e.sort_values("timestamp")["kernel_hash"].iloc[-1]]
-        g = g[(g["kernel_hash"].isin(set(e["kernel_hash"]))) & (g["workload_id"].isin(set(e["workload_id"])))]
+        g = g[(g["kernel_hash"].isin(set(e["kernel_hash"]))) & (g["workload_id"].isin(set(e["workload_id"])))
+              & (g["evaluator_version"].isin(set(e["evaluator_version"])))]
         if not len(g):
             pending.append(k)
             continue
@@ -146,7 +165,11 @@ def main() -> int:
         lines.append(f"| {k.id()} | {e[['bq', 'bkv', 'cq', 'ckv']].drop_duplicates().shape[0]} | {fmt(bg)} | "
                      f"{fmt(be)} | {gap:+.2%} |")
     lines += ["", f"Checked {len(gaps)} keys; worst gap {max(gaps):+.2%}." if gaps else "No key checked yet.",
-              "", f"Pending ({len(pending)}: generation or exhaustive sweep not run, or not finished): " + ", ".join(k.id() for k in pending)]
+              "", f"Pending ({len(pending)}: generation or exhaustive sweep not run, or not finished, or the "
+                  "exhaustive grid priced by an older evaluator version): " + ", ".join(k.id() for k in pending)]
+    if stale:
+        lines += ["", f"Exhaustive grids of an older evaluator version ({len(stale)}; `--run` sweeps them again): "
+                  + ", ".join(sorted(stale))]
     if device:
         lines += ["", f"Need a device ({len(device)}: no estimate of their generation and case can be audited, "
                       "rpa_tune/coverage.py NEEDS_A_DEVICE_CASES): " + ", ".join(k.id() for k in device)]

@@ -281,6 +281,70 @@ def _probe_with(monkeypatch, tmp_path, fake_profile) -> None:
     monkeypatch.setenv("RPA_TUNE_PROBE_CACHE", str(tmp_path))
 
 
+def test_mixed_probes_start_with_two_warm_up_sequences_and_no_like_ones_in_a_row():
+    """Our kernel's mixed probes: each after ``mixed_warm_up``, no two like sequences in a
+    row (the analysis program loops over such runs; serving does not), no probe twice.
+    Decode and prefill probes, and the public kernel's (``warm_up=False``), are unchanged."""
+    for bs, page in ((BlockSizes(64, 512, 64, 256), 128), (BlockSizes(16, 1024, 8, 1024), 256)):
+        plain = compose.probes("mixed", bs, page, warm_up=False)
+        warm = compose.probes("mixed", bs, page)
+        w = compose.mixed_warm_up(page)
+        assert len(w) == 2 and w[0] != w[1]
+        for p in warm:
+            seqs = list(zip(p.q_lens, p.kv_lens))
+            assert seqs[:2] == w and all(a != b for a, b in zip(seqs, seqs[1:]))
+        assert len(set(warm)) == len(warm) == len(set(plain))
+        # the probed sequences are the plain probes', a like one given one more KV token
+        for p, q in zip(warm, dict.fromkeys(plain)):
+            assert p.q_lens[2:] == q.q_lens
+            assert [a - b for a, b in zip(p.kv_lens[2:], q.kv_lens)] == [
+                int(i > 0 and q.kv_lens[i] == q.kv_lens[i - 1] and q.q_lens[i] == q.q_lens[i - 1])
+                for i in range(len(q.q_lens))]
+        for case in ("decode", "prefill"):
+            assert compose.probes(case, bs, page) == compose.probes(case, bs, page, warm_up=False)
+
+
+def test_mixed_probes_price_a_batch_past_its_first_two_sequences(monkeypatch, tmp_path):
+    """In a batch the first two sequences cost less than each later one (the first KV
+    fetch waits, later ones overlap earlier compute; measured 1,150-1,250 cycles on v5e) and
+    the analysis program charges a run of like sequences a loop serving does not run. Against
+    a profiler stand-in with both effects on top of per-item costs, the warm-up probes price
+    a 12-sequence batch exactly (call absorbs the first two's discount); the probes without
+    the warm-up are off by more than 5 %."""
+    bs, page = BlockSizes(64, 512, 64, 256), 128
+    names = compose.case_features("mixed")
+    cost = dict(call=3000, seq=900, qblock=400, step=700, page_cached=60, chunk=300)
+
+    def truth(q_lens, kv_lens):
+        f = features("mixed", bs, page, q_lens, kv_lens)
+        runs = sum(1 for i in range(1, len(q_lens)) if (q_lens[i], kv_lens[i]) == (q_lens[i - 1], kv_lens[i - 1]))
+        return (sum(cost[k] * f[k] for k in names) - 1500 * min(1, len(q_lens)) - 1200 * (len(q_lens) >= 2)
+                - 2500 * runs)
+
+    def fake_profile(builder, req, *, timeout=None, expect_kernel_hash=None, fast_forward=False, **kw):
+        w = req["workload"]
+        return {"status": "ok", "cycles": truth(w["q_lens"], w["kv_lens"]), "trace": {}, "max_rss_bytes": 1,
+                "compile_s": 0.1, "lower_s": 0.1}
+
+    _probe_with(monkeypatch, tmp_path, fake_profile)
+    pr = compose.probe_config(builder=compose.OURS, case="mixed", bs=bs, tpu="v6e",
+                              model=dataclasses.asdict(LLAMA), limits=dataclasses.asdict(LIM))
+    assert pr["status"] == "ok" and [(tuple(p["q_lens"]), tuple(p["kv_lens"])) for p in pr["probes"]] == [
+        (p.q_lens, p.kv_lens) for p in compose.probes("mixed", bs, page)]
+    q = [128, 40, 40] + [4] * 4 + [1] * 5
+    kv = [1152, 900, 931] + [2048 + i for i in range(4)] + [700 + 50 * i for i in range(5)]
+    w = Workload.of_case("mixed", q, kv)
+    assert compose.model_from_json(pr["model"]).cycles(w) == pytest.approx(truth(q, kv), rel=1e-9)
+    plain = compose.probes("mixed", bs, page, warm_up=False)
+    old = compose.fit("mixed", bs, page, plain, [truth(p.q_lens, p.kv_lens) for p in plain])
+    assert abs(old.cycles(w) / truth(q, kv) - 1) > 0.05
+    # a cached probe set of other probes (an older probe version) is not refitted: profiled again
+    monkeypatch.setattr(compose, "probes", lambda *a, **k: plain)
+    again = compose.probe_config(builder=compose.OURS, case="mixed", bs=bs, tpu="v6e",
+                                 model=dataclasses.asdict(LLAMA), limits=dataclasses.asdict(LIM))
+    assert [p["q_lens"] for p in again["probes"]] == [list(p.q_lens) for p in plain]
+
+
 def test_a_crash_names_its_cause_only_when_the_program_causes_it():
     """The profiler's verdicts that the probe cache keeps (``cause``): passing the memory cap
     (with the cap), a libtpu abort (SIGABRT); not a kill by anything else, not a full disk."""

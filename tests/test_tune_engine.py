@@ -230,3 +230,23 @@ def test_sweep_key_is_the_key_a_kernel_call_looks_up(monkeypatch):
         assert resolve_block_sizes(Case.PREFILL, None, generation="v6e", dims=dims) == (heuristic_for(k), "heuristic")
     finally:
         tables.reset()
+
+
+def test_a_sweep_records_its_cases_evaluator_version(monkeypatch):
+    """Rows (and config ids) carry the evaluator version of the key's case: a version for
+    one case alone (``Evaluator.case_versions``) changes that case's config ids, so only its
+    keys are re-priced, and leaves the other cases' ids as they were."""
+    from rpa_tune.engine import sweep_context
+    from rpa_tune.evaluators import evaluator_class
+    monkeypatch.delenv("RPA_TUNE_EVALUATOR_OVERRIDE", raising=False)
+    cls = evaluator_class("compile")
+    bs = BlockSizes(16, 512, 16, 256)
+    cases = ("decode", "prefill", "mixed")
+    monkeypatch.setattr(cls, "case_versions", {})
+    before = {case: sweep_context(spec(case)) for case in cases}
+    monkeypatch.setattr(cls, "case_versions", {"mixed": "test-9"})
+    after = {case: sweep_context(spec(case)) for case in cases}
+    assert after["mixed"].ev_version == "compile-test-9" and after["decode"].ev_version == f"compile-{cls.version}"
+    for case in cases:
+        same = after[case].config_id(bs) == before[case].config_id(bs)
+        assert same == (case != "mixed"), case

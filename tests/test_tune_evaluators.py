@@ -323,6 +323,8 @@ def test_registry_knows_every_backend_and_base_knows_none():
         cls = ev.evaluator_class(b)
         assert issubclass(cls, ev.Evaluator) and cls.name == b
         assert ev.evaluator_version(b) == f"{b}-{cls.version}"
+        for case in ("decode", "prefill", "mixed"):     # a case's own version, else the evaluator's
+            assert ev.evaluator_version(b, case) == f"{b}-{cls.case_versions.get(case, cls.version)}"
     with pytest.raises(ValueError, match="unknown backend 'gpu'; valid: compile, interpret, tpu"):
         ev.evaluator_class("gpu")
     src = inspect.getsource(base)

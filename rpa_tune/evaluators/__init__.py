@@ -7,6 +7,8 @@ from __future__ import annotations
 import importlib
 import os
 
+from kernel.config import Case
+
 from .base import (BACKENDS, COMPILE_ERROR, CRASH, EVALUATOR_OVERRIDE_ENV, OK, STATUSES, TIMEOUT, VMEM_OOM,
                    WRONG_RESULT, EvalResult, Evaluator, Task)
 
@@ -36,13 +38,15 @@ def get_evaluator(backend: str) -> Evaluator:
     return evaluator_class(backend)()
 
 
-def evaluator_version(backend: str) -> str:
-    """Version string of a backend's evaluator (part of ``config_id``), without instantiating it."""
+def evaluator_version(backend: str, case: str | None = None) -> str:
+    """Version string of a backend's evaluator for ``case``'s keys (part of ``config_id``),
+    without instantiating it: the case's own (``Evaluator.case_versions``) or the evaluator's."""
     override = os.environ.get(EVALUATOR_OVERRIDE_ENV)
     if override:
         return "override:" + override
     cls = evaluator_class(backend)
-    return f"{cls.name}-{cls.version}"
+    version = cls.case_versions.get(Case.parse(case).value, cls.version) if case is not None else cls.version
+    return f"{cls.name}-{version}"
 
 
 __all__ = ["BACKENDS", "COMPILE_ERROR", "CRASH", "OK", "STATUSES", "TIMEOUT", "VMEM_OOM", "WRONG_RESULT",

@@ -115,6 +115,9 @@ class Evaluator(abc.ABC):
     name: str = ""
     method: str = ""
     version: str = "1"   # bump when the evaluator's semantics change (part of config_id)
+    # a case whose pricing alone changed: its own version, so a new one re-prices that
+    # case's keys only (``rpa_tune.evaluators.evaluator_version``)
+    case_versions: dict = {}
 
     @abc.abstractmethod
     def evaluate(self, task: Task) -> EvalResult: ...

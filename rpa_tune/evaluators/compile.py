@@ -46,6 +46,8 @@ class CompileEvaluator(Evaluator):
     method = "estimate"
     version = "5"     # 4: decode probes price a partial last chunk when ckv == page_size;
     #                   5: decode prices a page's DMA at no less than its bytes at the HBM peak
+    case_versions = {"mixed": "6"}   # 6: mixed probes start with two warm-up sequences
+    #                                  (rpa_tune.estimator.compose.mixed_warm_up)
 
     def __init__(self, *, profile: bool = True):
         self.profile = profile   # False: VMEM verdict only (plain compile, no estimate)
