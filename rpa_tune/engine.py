@@ -490,7 +490,7 @@ def make_task(spec: SweepSpec, plan: Plan, bs: BlockSizes) -> Task:
                 model=spec.model, limits=spec.limits, workload=spec.workload, bs=bs,
                 timeout=float(spec.timeout), seed=spec.seed,
                 vmem_predicted_bytes=plan.predicted.get(bs), sliding_window=spec.sliding_window,
-                kernel=spec.tuned_kernel.name, soft_cap=spec.soft_cap)
+                kernel=spec.tuned_kernel.name, soft_cap=spec.soft_cap, heuristic=bs == plan.heuristic)
 
 
 def run_sweep(spec: SweepSpec, store: ResultStore, *, events: Events | None = None,

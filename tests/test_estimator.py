@@ -345,6 +345,65 @@ def test_mixed_probes_price_a_batch_past_its_first_two_sequences(monkeypatch, tm
     assert [p["q_lens"] for p in again["probes"]] == [list(p.q_lens) for p in plain]
 
 
+def test_the_heuristic_is_profiled_under_a_higher_memory_cap(monkeypatch, tmp_path):
+    """A key is promoted only over its heuristic's estimate: the heuristic's probes get
+    ``RPA_ESTIMATE_HEURISTIC_MAX_RSS_GB`` (never below the others' cap), the sweep marks the
+    heuristic's task, the compile evaluator passes the cap on, and a crash recorded at the
+    lower cap is profiled again at the higher one (and kept, not retried, at the same cap)."""
+    from kernel.config import TuningKey
+    from kernel.workload import ServingLimits as Lim
+    from rpa_tune.engine import SweepSpec, make_task, plan_sweep
+    from rpa_tune.evaluators import compile as compile_ev
+    from rpa_tune.evaluators.base import Task
+    from rpa_tune.space import load_space
+    from rpa_tune.workloads import make_workload
+    monkeypatch.delenv("RPA_ESTIMATE_MAX_RSS_GB", raising=False)
+    monkeypatch.setenv("RPA_ESTIMATE_HEURISTIC_MAX_RSS_GB", "6")
+    assert profiler.rss_cap_bytes() == 3 << 30 and profiler.rss_cap_bytes(heuristic=True) == 6 << 30
+    monkeypatch.setenv("RPA_ESTIMATE_MAX_RSS_GB", "7")
+    assert profiler.rss_cap_bytes(heuristic=True) == 7 << 30
+    monkeypatch.delenv("RPA_ESTIMATE_MAX_RSS_GB")
+
+    lim = Lim(page_size=128, max_num_tokens=512, max_num_seqs=16, max_model_len=2048)
+    w, desc = make_workload("prefill", lim)
+    key = TuningKey("v6e", "prefill", "bfloat16", "bfloat16", 32, 8, 128, 128, 512, 2048)
+    spec = SweepSpec(key=key, model=LLAMA, limits=lim, workload=w, workload_desc=desc,
+                     case_space=load_space("v6e").for_case("prefill"), budget=3)
+    plan = plan_sweep(spec)
+    other = next(bs for bs in plan.candidates if bs != plan.heuristic)
+    assert make_task(spec, plan, plan.heuristic).heuristic and not make_task(spec, plan, other).heuristic
+    task = make_task(spec, plan, plan.heuristic)
+    assert Task.from_json(task.to_json()).heuristic
+
+    seen = []
+    monkeypatch.setattr(compose, "probe_config", lambda **kw: seen.append(kw["rss_cap"]) or {"status": "timeout"})
+    for t in (task, make_task(spec, plan, other)):
+        compile_ev.CompileEvaluator()._estimate(t, 16 << 20, 60.0)
+    assert seen == [6 << 30, 3 << 30]
+    monkeypatch.undo()
+
+    caps = []
+
+    def fake_profile(builder, req, *, timeout=None, expect_kernel_hash=None, fast_forward=False, rss_cap=None,
+                     **kw):
+        caps.append(rss_cap)
+        if rss_cap < 5 << 30:
+            return {"status": "crash", "returncode": -9, "cause": profiler.MEMORY_CAP, "cap_bytes": rss_cap,
+                    "message": "passed the memory cap", "max_rss_bytes": rss_cap}
+        return {"status": "ok", "cycles": 1000 + sum(req["workload"]["kv_lens"]), "trace": {}, "max_rss_bytes": 1,
+                "compile_s": 0.1, "lower_s": 0.1}
+
+    _probe_with(monkeypatch, tmp_path, fake_profile)
+    args = dict(builder=compose.OURS, case="prefill", bs=BlockSizes(128, 512, 128, 256), tpu="v6e",
+                model=dataclasses.asdict(LLAMA), limits=dataclasses.asdict(LIM))
+    assert compose.probe_config(**args, rss_cap=3 << 30)["status"] == "crash" and set(caps) == {3 << 30}
+    n = len(caps)
+    assert compose.probe_config(**args, rss_cap=3 << 30)["cached"] and len(caps) == n   # kept
+    caps.clear()
+    assert compose.probe_config(**args, rss_cap=6 << 30)["status"] == "ok"
+    assert caps and set(caps) == {6 << 30}
+
+
 def test_a_crash_names_its_cause_only_when_the_program_causes_it():
     """The profiler's verdicts that the probe cache keeps (``cause``): passing the memory cap
     (with the cap), a libtpu abort (SIGABRT); not a kill by anything else, not a full disk."""

@@ -380,7 +380,8 @@ PROBE_WORKERS_ENV = "RPA_TUNE_PROBE_WORKERS"
 
 def probe_config(*, builder: str, case: Case | str, bs: BlockSizes, tpu: str, model: dict, limits: dict,
                  options: dict | None = None, timeout: float | None = 600, use_cache: bool = True,
-                 workers: int | None = None, writes_kv_cache: bool = True, extra_libtpu_args: str = "") -> dict:
+                 workers: int | None = None, writes_kv_cache: bool = True, extra_libtpu_args: str = "",
+                 rss_cap: int | None = None) -> dict:
     """Compile and audit every probe of one config; fit its ``CostModel``.
 
     Returns ``{"status", "model" (CostModel JSON), "probes": [{q_lens, kv_lens, cycles,
@@ -395,6 +396,8 @@ def probe_config(*, builder: str, case: Case | str, bs: BlockSizes, tpu: str, mo
     public kernel, ``rpa_tune.estimator.public``): its audit does not ask for those bytes.
     ``extra_libtpu_args``: more libtpu flags for the profiled compiles (the VMEM size
     override, ``rpa_tune.evaluators.compile``); part of the cache key.
+    ``rss_cap``: each profiler child's memory cap (default ``profiler.rss_cap_bytes()``); a
+    recorded crash at a lower cap is profiled again.
     The probes' cycles are also checked against each other (``inconsistent_probes``, on
     every call, cached or not): a config failing it is profiled again without
     fast-forward, and if it still fails its ``audit`` is incomplete (``consistency`` says why).
@@ -445,6 +448,7 @@ def probe_config(*, builder: str, case: Case | str, bs: BlockSizes, tpu: str, mo
     window = (options or {}).get("sliding_window")
     floor = dma_page_floor(tpu, model, limits["page_size"]) if case == Case.DECODE else 0.0
     failed, forward_failed = threading.Event(), threading.Event()
+    cap = profiler.rss_cap_bytes() if rss_cap is None else int(rss_cap)
     if use_cache and os.path.exists(path):
         try:
             with open(path) as f:
@@ -452,7 +456,7 @@ def probe_config(*, builder: str, case: Case | str, bs: BlockSizes, tpu: str, mo
             if out.get("status") != "ok":
                 # a crash the program causes (_write_cache): the same probes crash again,
                 # unless the memory cap has been raised since
-                if out.get("cause") == profiler.MEMORY_CAP and profiler.rss_cap_bytes() > out.get("cap_bytes", 0):
+                if out.get("cause") == profiler.MEMORY_CAP and cap > out.get("cap_bytes", 0):
                     raise ValueError("the memory cap was raised")
                 return dict(out, compile_s=0.0, cached=True, message="recorded for this config's probes before "
                             f"(not profiled again): {out.get('message', '')}")
@@ -503,7 +507,7 @@ def probe_config(*, builder: str, case: Case | str, bs: BlockSizes, tpu: str, mo
         def attempt(forward: bool):
             left = None if deadline is None else max(1.0, deadline - time.monotonic())
             r = profiler.profile(builder, req, timeout=left, expect_kernel_hash=source, fast_forward=forward,
-                                 cancel=failed, extra_libtpu_args=extra_libtpu_args)
+                                 cancel=failed, extra_libtpu_args=extra_libtpu_args, rss_cap=cap)
             spent["max_rss_bytes"] = max(spent["max_rss_bytes"], r.get("max_rss_bytes") or 0)
             spent["compile_s"] += (r.get("lower_s") or 0.0) + (r.get("compile_s") or 0.0)
             a = (audit_mod.audit_trace(TraceStats.from_json(r["trace"]), need, cal, page_bytes)

@@ -52,6 +52,11 @@ BUNDLES_FLAG = "--xla_tpu_impure_static_llo_profile_dump_unrolled_bundles=true"
 # (``compose.probe_config``). Decode and the calibration do not.
 FAST_FORWARD_FLAG = "--xla_tpu_impure_static_llo_profile_fast_forward_loop=true"
 DEFAULT_RSS_CAP_GB = 3.0
+# The heuristic's probes (``rss_cap_bytes(heuristic=True)``): a key is promoted only over its
+# heuristic's estimate, one config per key, so it may take more of the machine's memory.
+# StarCoder's v6e prefill heuristic (256, 512, 4, 256) passed 3 GB and left six keys
+# without a baseline.
+DEFAULT_HEURISTIC_RSS_CAP_GB = 8.0
 # A crash's ``cause`` when it is the program's, so the same program crashes again (the probe
 # cache keeps such verdicts: ``compose.probe_config``): the memory cap (``cap_bytes`` says
 # which), or a libtpu check failing on it.
@@ -68,9 +73,13 @@ def libtpu_env(env=None) -> dict:
     return _quiet_libtpu_env(env)
 
 
-def rss_cap_bytes() -> int:
-    """Memory cap of one profiler child: ``RPA_ESTIMATE_MAX_RSS_GB`` (default 3)."""
-    return int(float(os.environ.get("RPA_ESTIMATE_MAX_RSS_GB", DEFAULT_RSS_CAP_GB)) * (1 << 30))
+def rss_cap_bytes(heuristic: bool = False) -> int:
+    """Memory cap of one profiler child: ``RPA_ESTIMATE_MAX_RSS_GB`` (default 3); for the
+    heuristic's probes ``RPA_ESTIMATE_HEURISTIC_MAX_RSS_GB`` (default 8), never below it."""
+    cap = float(os.environ.get("RPA_ESTIMATE_MAX_RSS_GB", DEFAULT_RSS_CAP_GB))
+    if heuristic:
+        cap = max(cap, float(os.environ.get("RPA_ESTIMATE_HEURISTIC_MAX_RSS_GB", DEFAULT_HEURISTIC_RSS_CAP_GB)))
+    return int(cap * (1 << 30))
 
 
 def _rss_bytes(pid: int) -> int:

@@ -49,6 +49,7 @@ class Task:
     sliding_window: int | None = None        # the attention window the kernel runs with
     kernel: str = "rpa-tune"                 # the tuned kernel (rpa_tune.kernels)
     soft_cap: float | None = None            # the logit soft cap the kernel runs with
+    heuristic: bool = False                  # the key's heuristic (its baseline)
 
     def to_json(self) -> dict:
         return dict(backend=self.backend, generation=self.generation, case=self.case,
@@ -57,7 +58,7 @@ class Task:
                                   distribution=list(self.workload.distribution)),
                     bs=list(self.bs), timeout=self.timeout, seed=self.seed,
                     vmem_predicted_bytes=self.vmem_predicted_bytes, sliding_window=self.sliding_window,
-                    kernel=self.kernel, soft_cap=self.soft_cap)
+                    kernel=self.kernel, soft_cap=self.soft_cap, heuristic=self.heuristic)
 
     @classmethod
     def from_json(cls, d: dict) -> "Task":
@@ -67,7 +68,8 @@ class Task:
                    workload=Workload(tuple(w["q_lens"]), tuple(w["kv_lens"]), tuple(w["distribution"])),
                    bs=BlockSizes(*d["bs"]), timeout=float(d["timeout"]), seed=int(d["seed"]),
                    vmem_predicted_bytes=d.get("vmem_predicted_bytes"), sliding_window=d.get("sliding_window"),
-                   kernel=d.get("kernel") or "rpa-tune", soft_cap=d.get("soft_cap"))
+                   kernel=d.get("kernel") or "rpa-tune", soft_cap=d.get("soft_cap"),
+                   heuristic=bool(d.get("heuristic", False)))
 
 
 @dataclasses.dataclass

@@ -46,8 +46,9 @@ class CompileEvaluator(Evaluator):
     method = "estimate"
     version = "5"     # 4: decode probes price a partial last chunk when ckv == page_size;
     #                   5: decode prices a page's DMA at no less than its bytes at the HBM peak
-    case_versions = {"mixed": "6"}   # 6: mixed probes start with two warm-up sequences
-    #                                  (rpa_tune.estimator.compose.mixed_warm_up)
+    case_versions = {"mixed": "6"}   # 6: our mixed probes start with two warm-up sequences
+    #                                  (rpa_tune.estimator.compose.mixed_warm_up); the public
+    #                                  kernel's are unchanged, so its mixed rows re-price alike
 
     def __init__(self, *, profile: bool = True):
         self.profile = profile   # False: VMEM verdict only (plain compile, no estimate)
@@ -130,14 +131,15 @@ class CompileEvaluator(Evaluator):
     # -- steps ----------------------------------------------------------------------
     def _estimate(self, task: Task, limit: int, remaining: float, extra_libtpu_args: str = "") -> dict:
         import dataclasses
-        from rpa_tune.estimator import compose
+        from rpa_tune.estimator import compose, profiler
         from ..kernels import get_kernel
         kern = get_kernel(task.kernel)
         r = compose.probe_config(builder=kern.builder, writes_kv_cache=kern.writes_kv_cache, case=task.case, bs=task.bs,
                                  tpu=task.generation, model=dataclasses.asdict(task.model),
                                  limits=dataclasses.asdict(task.limits),
                                  options=_options(task, limit), timeout=remaining,
-                                 extra_libtpu_args=extra_libtpu_args)
+                                 extra_libtpu_args=extra_libtpu_args,
+                                 rss_cap=profiler.rss_cap_bytes(heuristic=task.heuristic))
         return r
 
     def _plain_compile(self, task: Task, limit: int, remaining: float) -> dict:
