@@ -536,7 +536,10 @@ def run_sweep(spec: SweepSpec, store: ResultStore, *, events: Events | None = No
                     break
                 asked += 1
                 prev = recorded.get(ctx.config_id(bs))
-                if prev is not None and prev["status"] not in spec.retry:
+                # the heuristic's crash is evaluated again: every key needs its baseline, and
+                # the probe cache answers a repeat at once (a raised memory cap profiles again)
+                if prev is not None and prev["status"] not in spec.retry and not (
+                        bs == plan.heuristic and prev["status"] == base.CRASH):
                     prev = dict(prev, is_heuristic=bs == plan.heuristic)
                     outcome.resumed += 1
                     note_row(outcome, prev)

@@ -250,3 +250,24 @@ def test_a_sweep_records_its_cases_evaluator_version(monkeypatch):
     for case in cases:
         same = after[case].config_id(bs) == before[case].config_id(bs)
         assert same == (case != "mixed"), case
+
+
+def test_a_crashed_heuristic_is_evaluated_again_on_resume(fake, monkeypatch, tmp_path):
+    """Every key needs its heuristic's estimate (its baseline): a heuristic whose evaluation
+    crashed (e.g. the profiler's memory cap, since raised for the heuristic) is evaluated
+    again when the sweep resumes; nothing else recorded is."""
+    s = spec()
+    heur = plan_sweep(s).heuristic
+    monkeypatch.setenv("RPA_TUNE_FAKE_BEHAVIOUR", f"{heur.label()}=crash")
+    store = ResultStore(tmp_path / "res")
+    first = run_sweep(s, store)
+    assert first.evaluated == 29
+    assert [r["status"] for r in store.recorded().values() if r.get("is_heuristic")] == ["crash"]
+    monkeypatch.delenv("RPA_TUNE_FAKE_BEHAVIOUR")
+    n = len(evaluated(fake))
+    again = run_sweep(spec(), store)
+    assert again.evaluated == 1 and again.resumed == 28 and evaluated(fake)[n:] == [heur.label()]
+    rows = [r for r in ResultStore(tmp_path / "res").read_current().to_dict("records") if r.get("is_heuristic")]
+    assert sorted(r["status"] for r in rows) in (["crash", "ok"], ["ok"])
+    third = run_sweep(spec(), store)
+    assert third.evaluated == 0 and third.resumed == 29
