@@ -468,7 +468,7 @@ def test_probes_of_a_config_compile_in_parallel_in_order_and_stop_after_a_failur
     live, peak, calls, cancelled, lock = [0], [0], [], [], threading.Lock()
 
     def fake_profile(builder, req, *, timeout=None, expect_kernel_hash=None, fast_forward=False, cancel=None,
-                     extra_libtpu_args=""):
+                     extra_libtpu_args="", rss_cap=None):
         kv = sum(req["workload"]["kv_lens"])
         with lock:
             calls.append(req["workload"]["kv_lens"])
