@@ -80,6 +80,13 @@ def exhaustive_version(rows) -> str:
     return str(rows.sort_values("timestamp")["evaluator_version"].iloc[-1])
 
 
+def stale_keys(ex, keys) -> set:
+    """Ids of ``keys`` whose exhaustive grid in ``ex`` an older evaluator version priced (a
+    case's new version, rpa_tune.evaluators.evaluator_version): compared with nothing, and
+    swept again by --run."""
+    return {k.id() for k in keys if len(rows_of(ex, k)) and exhaustive_version(rows_of(ex, k)) != current_version(k)}
+
+
 def read(path: Path):
     import pandas as pd
     from rpa_tune.store import ResultStore
@@ -112,9 +119,7 @@ def main() -> int:
     ready = [k for k in keys if len(rows_of(current, k))]
     marker = a.results / "complete.json"        # keys whose grid sweep finished
     ex = read(a.results)
-    # keys whose exhaustive grid an older evaluator version priced (a case's new version,
-    # rpa_tune.evaluators.evaluator_version): compared with nothing, and swept again by --run
-    stale = {k.id() for k in keys if len(rows_of(ex, k)) and exhaustive_version(rows_of(ex, k)) != current_version(k)}
+    stale = stale_keys(ex, keys)
     if a.run:
         a.results.mkdir(parents=True, exist_ok=True)
         finished = set(json.loads(marker.read_text())) if marker.exists() else set()
@@ -137,8 +142,7 @@ def main() -> int:
                 done = set(json.loads(marker.read_text())) if marker.exists() else set()
                 marker.write_text(json.dumps(sorted(done | {k.id()}), indent=0) + "\n")
         ex = read(a.results)
-        stale = {k.id() for k in keys
-                 if len(rows_of(ex, k)) and exhaustive_version(rows_of(ex, k)) != current_version(k)}
+        stale = stale_keys(ex, keys)
     complete = set(json.loads(marker.read_text())) if marker.exists() else set()
     lines = ["# Budgeted search against the exhaustive best (compile backend, audited estimates)", "",
              f"Sample: {len(keys) + len(device)} of {len(coverage.expected_keys())} matrix keys ({a.fraction:.0%}, "
