@@ -84,7 +84,7 @@ def stale_keys(ex, keys) -> set:
     """Ids of ``keys`` whose exhaustive grid in ``ex`` an older evaluator version priced (a
     case's new version, rpa_tune.evaluators.evaluator_version): compared with nothing, and
     swept again by --run."""
-    return {k.id() for k in keys if len(rows_of(ex, k)) and exhaustive_version(rows_of(ex, k)) != current_version(k)}
+    return {k.id() for k in keys if len(rows := rows_of(ex, k)) and exhaustive_version(rows) != current_version(k)}
 
 
 def read(path: Path):
