@@ -909,3 +909,62 @@ def test_at_most_a_few_warm_profiler_children_stay_idle(monkeypatch):
     assert idle == made[-profiler.WARM_MAX_IDLE:]
     assert all(w.proc.poll() is not None for w in made[:2])
     profiler._Warm.close_all()
+
+
+@pytest.fixture
+def fakes_importable(monkeypatch):
+    """Profiler children that can import ``tune_fakes`` (its builders)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]))
+
+
+@pytest.mark.parametrize("gen", ["v5e", "v5p", "v6e", "tpu7x"])
+def test_only_tpu7x_prices_an_hbm_to_hbm_dma(gen, fakes_importable):
+    """``ours.NO_HBM_TO_HBM_PRICE`` is what libtpu does: a kernel that is one HBM -> HBM
+    copy gets 0 estimated cycles there (the profiler reports no estimate) and a positive
+    count on TPU7x."""
+    from rpa_tune.estimator import ours
+    r = profiler.profile("tune_fakes:hbm_to_hbm_copy_builder", {"tpu": gen}, timeout=600)
+    if gen in ours.NO_HBM_TO_HBM_PRICE:
+        assert r["status"] == "crash" and r["cycles"] == 0, r
+    else:
+        assert r["status"] == "ok" and r["cycles"] > 0, r
+
+
+QWEN_TP4 = ModelShape(16, 2, 128)
+
+
+def test_v5p_decode_of_two_kv_heads_is_estimable_with_the_new_kv_in_vmem(fakes_importable):
+    """Left to XLA, the new K/V operand of this program is in HBM on v5p, and the kernel
+    gets no estimate (its cache update is an HBM -> HBM copy); placed in VMEM it is
+    estimated and its page DMAs pass the audit."""
+    bs, q, kv = BlockSizes(1, 2048, 1, 512), [1] * 4, [512, 513, 700, 900]
+    w = Workload.of_case("decode", q, kv)
+    req = _request("decode", w, bs, "v5p", QWEN_TP4)
+    left = profiler.profile("tune_fakes:xla_placed_new_kv_builder", req, timeout=600)
+    assert left["status"] == "crash" and left["cycles"] == 0
+    r = _profile("decode", w, bs, "v5p", QWEN_TP4)
+    tr = TraceStats.from_json(r["trace"])
+    pages = features("decode", bs, LIM.page_size, q, kv)["page_cached"]
+    # the page DMAs, and one per sequence for its q row when XLA leaves q in HBM
+    assert pages > 0 and tr.dma_issues.get("hbm_to_vmem", 0) - pages in (0, len(q))
+    from rpa_tune.estimator.calibration import calibration
+    a = audit.audit_trace(tr, audit.needed(w, QWEN_TP4, "decode"), calibration("v5p"))
+    assert a.verdict == audit.COMPLETE, a.reasons
+
+
+@pytest.mark.parametrize("case,model,bs,q,kv", [
+    ("decode", ModelShape(8, 1, 128), BlockSizes(1, 2048, 1, 512), [1] * 4, [512, 513, 700, 900]),
+    ("mixed", ModelShape(48, 1, 128), BlockSizes(32, 512, 4, 256), [1, 1, 64], [900, 300, 600]),
+    ("prefill", ModelShape(8, 1, 128), BlockSizes(128, 512, 128, 256), [256, 64], [300, 64]),
+])
+def test_the_new_kv_placement_changes_no_v5p_program_of_one_kv_head(case, model, bs, q, kv, fakes_importable):
+    """XLA put the operand in VMEM in the v5p programs of one KV head, every v5p estimate
+    recorded before the placement: the same cycles with it placed explicitly."""
+    from rpa_tune.estimator import ours
+    assert ours.PLACE_NEW_KV <= ours.NO_HBM_TO_HBM_PRICE
+    req = _request(case, Workload.of_case(case, q, kv), bs, "v5p", model)
+    left = profiler.profile("tune_fakes:xla_placed_new_kv_builder", req, timeout=600)
+    placed = profiler.profile(compose.OURS, req, timeout=600)
+    assert left["status"] == placed["status"] == "ok"
+    assert placed["cycles"] == left["cycles"] > 0

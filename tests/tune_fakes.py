@@ -114,3 +114,39 @@ class _RejectedByTheCompiler:
 def compile_error_builder(**_):
     """A program the compiler rejects (a verdict: the child that compiled it stays usable)."""
     return _RejectedByTheCompiler(), "rpa_"
+
+
+def hbm_to_hbm_copy_builder(*, tpu: str):
+    """A Pallas kernel that is one DMA from one HBM buffer to another (rows 2-4 of its
+    input into page 7 of its output), lowered for ``tpu``."""
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import tpu as pltpu
+    from kernel.analysis import _sharding
+
+    def kernel(src, dst, sem):
+        copy = pltpu.make_async_copy(src.at[pl.ds(2, 3)], dst.at[7, pl.ds(5, 3)], sem.at[0])
+        copy.start()
+        copy.wait()
+
+    call = pl.pallas_call(
+        kernel, out_shape=jax.ShapeDtypeStruct((64, 128, 2, 2, 128), jnp.bfloat16),
+        in_specs=[pl.BlockSpec(memory_space=pl.ANY)], out_specs=pl.BlockSpec(memory_space=pl.ANY),
+        scratch_shapes=[pltpu.SemaphoreType.DMA((1,))], name="hbm_to_hbm_copy")
+    arg = jax.ShapeDtypeStruct((16, 2, 2, 128), jnp.bfloat16, sharding=_sharding(tpu))
+    return jax.jit(call).lower(arg), "hbm_to_hbm_copy"
+
+
+def xla_placed_new_kv_builder(**request):
+    """``rpa_tune.estimator.ours.lower`` without its new-K/V placement: where XLA puts the
+    operand is XLA's choice."""
+    from kernel import analysis
+    from kernel.config import BlockSizes, Case
+    from kernel.workload import ModelShape, ServingLimits, Workload
+    w = request["workload"]
+    bs, case = BlockSizes(*request["block_sizes"]), Case.parse(request["case"])
+    lowered = analysis.lower_for_estimate(
+        Workload(tuple(w["q_lens"]), tuple(w["kv_lens"]), tuple(w["distribution"])), bs, request["tpu"],
+        ModelShape(**request["model"]), ServingLimits(**request["limits"]), case, **(request.get("options") or {}))
+    return lowered, f"rpa_{case.value}_{bs.label()}"
