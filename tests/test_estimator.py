@@ -962,9 +962,20 @@ def test_the_new_kv_placement_changes_no_v5p_program_of_one_kv_head(case, model,
     """XLA put the operand in VMEM in the v5p programs of one KV head, every v5p estimate
     recorded before the placement: the same cycles with it placed explicitly."""
     from rpa_tune.estimator import ours
-    assert ours.PLACE_NEW_KV <= ours.NO_HBM_TO_HBM_PRICE
+    assert ours.PLACE_NEW_KV <= ours.NO_HBM_TO_HBM_PRICE and ours.places_new_kv("v5p", case, model)
     req = _request(case, Workload.of_case(case, q, kv), bs, "v5p", model)
     left = profiler.profile("tune_fakes:xla_placed_new_kv_builder", req, timeout=600)
     placed = profiler.profile(compose.OURS, req, timeout=600)
     assert left["status"] == placed["status"] == "ok"
     assert placed["cycles"] == left["cycles"] > 0
+
+
+def test_which_estimates_place_the_new_kv_in_vmem():
+    """Decode on v5p always; prefill / mixed on v5p for shapes of at most 2 KiB of K/V per
+    token (every config of a key alike); never elsewhere."""
+    from rpa_tune.estimator.ours import places_new_kv
+    for case in ("decode", "prefill", "mixed"):
+        assert not any(places_new_kv(g, case, QWEN_TP4) for g in ("v5e", "v6e", "tpu7x"))
+        assert places_new_kv("v5p", case, QWEN_TP4) and places_new_kv("v5p", case, ModelShape(8, 1, 128))
+        assert places_new_kv("v5p", case, LLAMA) == (case == "decode")
+        assert places_new_kv("v5p", case, GEMMA_256) == (case == "decode")

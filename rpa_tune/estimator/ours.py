@@ -1,6 +1,7 @@
 """Builders for the profiler child: this project's kernel, lowered for one workload.
 
-On v5p the new tokens' K/V operand is placed in VMEM (``PLACE_NEW_KV``). The
+On v5p the new tokens' K/V operand is placed in VMEM (``places_new_kv``: in decode, and in
+prefill / mixed for shapes of at most 2 KiB of K/V per token). The
 kernel's KV-cache update copies the new rows from that operand into the cache pages, and
 libtpu's static profiler marks a copy between two HBM buffers *remote*: on v5e, v5p and
 v6e a kernel with one gets 0 estimated cycles (``NO_HBM_TO_HBM_PRICE``; a one-DMA Pallas
@@ -30,46 +31,59 @@ from kernel.workload import ModelShape, ServingLimits, Workload
 NO_HBM_TO_HBM_PRICE = frozenset({"v5e", "v5p", "v6e"})
 # Generations whose estimates place the new K/V operand in VMEM (module doc).
 PLACE_NEW_KV = frozenset({"v5p"})
-# ... and the largest new-K/V operand placed, as a fraction of the VMEM:
-# a larger one is left to XLA (in HBM it cannot be estimated; forced into VMEM beside the
-# kernel's own buffers it could fail the compile as if the config did not fit).
+# Prefill / mixed place it only for shapes whose largest operand (``NEW_KV_MAX_ROWS`` rows:
+# a probe's 4096 tokens and a KV block of 2048 rows of padding) is at most this fraction of
+# the VMEM, so that every config of a key is lowered alike (the operand's size varies with
+# the config there; in decode it is at most 4 MiB). Beside the kernel's own buffers a larger
+# one failed compiles XLA's placement did not ("Too many buffers are colored in the
+# alternate memory", Llama-3-8B prefill at a 56 MiB limit), as if the config did not fit.
 NEW_KV_VMEM_FRACTION = 0.25
+NEW_KV_MAX_ROWS = 4096 + 2048
+
+
+def places_new_kv(tpu: str, case: Case | str, model: ModelShape) -> bool:
+    """Whether the estimate of ``case`` for ``model`` on ``tpu`` places the new K/V
+    operand in VMEM (module doc)."""
+    import numpy as np
+    from kernel.config import get_generation, get_kv_cache_shape
+    from kernel.hardware import tpu_info
+    gen = get_generation(tpu).name
+    if gen not in PLACE_NEW_KV:
+        return False
+    if Case.parse(case) == Case.DECODE:
+        return True
+    dtype = np.dtype(model.kv_dtype)
+    row_bytes = int(np.prod(get_kv_cache_shape(1, 1, model.num_kv_heads, model.head_dim, dtype))) * dtype.itemsize
+    return row_bytes * NEW_KV_MAX_ROWS <= tpu_info(gen).vmem_capacity_bytes * NEW_KV_VMEM_FRACTION
 
 
 def lower(*, workload: dict, block_sizes, tpu: str, model: dict, limits: dict, case: str,
           options: dict | None = None):
     """``(Lowered, kernel name prefix)`` of one case of ``kernel`` with ``workload``'s
     metadata visible to the static profiler (``kernel.analysis.lower_for_estimate``), the
-    new K/V operand in VMEM on the generations of ``PLACE_NEW_KV`` (module doc)."""
+    new K/V operand in VMEM where ``places_new_kv`` says (module doc)."""
     from kernel import analysis
-    from kernel.config import get_generation
-    from kernel.hardware import tpu_info
     w = Workload(tuple(workload["q_lens"]), tuple(workload["kv_lens"]), tuple(workload["distribution"]))
     bs = BlockSizes(*block_sizes)
     case = Case.parse(case)
-    gen = get_generation(tpu).name
-    placement = (new_kv_in_vmem(int(tpu_info(gen).vmem_capacity_bytes * NEW_KV_VMEM_FRACTION))
-                 if gen in PLACE_NEW_KV else contextlib.nullcontext())
-    with placement:
-        lowered = analysis.lower_for_estimate(w, bs, tpu, ModelShape(**model), ServingLimits(**limits), case,
-                                              **(options or {}))
+    shape = ModelShape(**model)
+    with new_kv_in_vmem() if places_new_kv(tpu, case, shape) else contextlib.nullcontext():
+        lowered = analysis.lower_for_estimate(w, bs, tpu, shape, ServingLimits(**limits), case, **(options or {}))
     return lowered, f"rpa_{case.value}_{bs.label()}"
 
 
 @contextlib.contextmanager
-def new_kv_in_vmem(max_bytes: int):
+def new_kv_in_vmem():
     """While lowering: the case kernels' new K/V operand (``kernel.api.run_cases``' second
-    argument) constrained to VMEM when it is at most ``max_bytes``. JAX's caches are
-    cleared on entry and exit, so no trace made outside (or inside) leaks across."""
+    argument) constrained to VMEM. JAX's caches are cleared on entry and exit, so no trace
+    made outside (or inside) leaks across."""
     import jax
     from jax.experimental.pallas import tpu as pltpu
     from kernel import api
     run = api.run_cases
 
     def run_cases(q, newkv, *args, **kwargs):
-        if newkv.size * newkv.dtype.itemsize <= max_bytes:
-            newkv = pltpu.with_memory_space_constraint(newkv, pltpu.VMEM)
-        return run(q, newkv, *args, **kwargs)
+        return run(q, pltpu.with_memory_space_constraint(newkv, pltpu.VMEM), *args, **kwargs)
 
     jax.clear_caches()
     api.run_cases = run_cases
