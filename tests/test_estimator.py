@@ -934,14 +934,14 @@ def test_only_tpu7x_prices_an_hbm_to_hbm_dma(gen, fakes_importable):
 QWEN_TP4 = ModelShape(16, 2, 128)
 
 
-def test_v5p_decode_of_two_kv_heads_is_estimable_with_the_new_kv_in_vmem(fakes_importable):
+def test_v5p_decode_of_two_kv_heads_is_estimable_with_the_new_kv_in_vmem():
     """Left to XLA, the new K/V operand of this program is in HBM on v5p, and the kernel
     gets no estimate (its cache update is an HBM -> HBM copy); placed in VMEM it is
     estimated and its page DMAs pass the audit."""
     bs, q, kv = BlockSizes(1, 2048, 1, 512), [1] * 4, [512, 513, 700, 900]
     w = Workload.of_case("decode", q, kv)
     req = _request("decode", w, bs, "v5p", QWEN_TP4)
-    left = profiler.profile("tune_fakes:xla_placed_new_kv_builder", req, timeout=600)
+    left = profiler.profile(compose.OURS, dict(req, place_new_kv=False), timeout=600)
     assert left["status"] == "crash" and left["cycles"] == 0
     r = _profile("decode", w, bs, "v5p", QWEN_TP4)
     tr = TraceStats.from_json(r["trace"])
@@ -958,13 +958,13 @@ def test_v5p_decode_of_two_kv_heads_is_estimable_with_the_new_kv_in_vmem(fakes_i
     ("mixed", ModelShape(48, 1, 128), BlockSizes(32, 512, 4, 256), [1, 1, 64], [900, 300, 600]),
     ("prefill", ModelShape(8, 1, 128), BlockSizes(128, 512, 128, 256), [256, 64], [300, 64]),
 ])
-def test_the_new_kv_placement_changes_no_v5p_program_of_one_kv_head(case, model, bs, q, kv, fakes_importable):
+def test_the_new_kv_placement_changes_no_v5p_program_of_one_kv_head(case, model, bs, q, kv):
     """XLA put the operand in VMEM in the v5p programs of one KV head, every v5p estimate
     recorded before the placement: the same cycles with it placed explicitly."""
     from rpa_tune.estimator import ours
     assert ours.PLACE_NEW_KV <= ours.NO_HBM_TO_HBM_PRICE and ours.places_new_kv("v5p", case, model)
     req = _request(case, Workload.of_case(case, q, kv), bs, "v5p", model)
-    left = profiler.profile("tune_fakes:xla_placed_new_kv_builder", req, timeout=600)
+    left = profiler.profile(compose.OURS, dict(req, place_new_kv=False), timeout=600)
     placed = profiler.profile(compose.OURS, req, timeout=600)
     assert left["status"] == placed["status"] == "ok"
     assert placed["cycles"] == left["cycles"] > 0

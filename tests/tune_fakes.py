@@ -137,16 +137,3 @@ def hbm_to_hbm_copy_builder(*, tpu: str):
     arg = jax.ShapeDtypeStruct((16, 2, 2, 128), jnp.bfloat16, sharding=_sharding(tpu))
     return jax.jit(call).lower(arg), "hbm_to_hbm_copy"
 
-
-def xla_placed_new_kv_builder(**request):
-    """``rpa_tune.estimator.ours.lower`` without its new-K/V placement: where XLA puts the
-    operand is XLA's choice."""
-    from kernel import analysis
-    from kernel.config import BlockSizes, Case
-    from kernel.workload import ModelShape, ServingLimits, Workload
-    w = request["workload"]
-    bs, case = BlockSizes(*request["block_sizes"]), Case.parse(request["case"])
-    lowered = analysis.lower_for_estimate(
-        Workload(tuple(w["q_lens"]), tuple(w["kv_lens"]), tuple(w["distribution"])), bs, request["tpu"],
-        ModelShape(**request["model"]), ServingLimits(**request["limits"]), case, **(request.get("options") or {}))
-    return lowered, f"rpa_{case.value}_{bs.label()}"

@@ -58,16 +58,19 @@ def places_new_kv(tpu: str, case: Case | str, model: ModelShape) -> bool:
 
 
 def lower(*, workload: dict, block_sizes, tpu: str, model: dict, limits: dict, case: str,
-          options: dict | None = None):
+          options: dict | None = None, place_new_kv: bool | None = None):
     """``(Lowered, kernel name prefix)`` of one case of ``kernel`` with ``workload``'s
     metadata visible to the static profiler (``kernel.analysis.lower_for_estimate``), the
-    new K/V operand in VMEM where ``places_new_kv`` says (module doc)."""
+    new K/V operand in VMEM where ``places_new_kv`` says (module doc), or as
+    ``place_new_kv`` says (False: where XLA puts it; for the checks of the placement)."""
     from kernel import analysis
     w = Workload(tuple(workload["q_lens"]), tuple(workload["kv_lens"]), tuple(workload["distribution"]))
     bs = BlockSizes(*block_sizes)
     case = Case.parse(case)
     shape = ModelShape(**model)
-    with new_kv_in_vmem() if places_new_kv(tpu, case, shape) else contextlib.nullcontext():
+    if place_new_kv is None:
+        place_new_kv = places_new_kv(tpu, case, shape)
+    with new_kv_in_vmem() if place_new_kv else contextlib.nullcontext():
         lowered = analysis.lower_for_estimate(w, bs, tpu, shape, ServingLimits(**limits), case, **(options or {}))
     return lowered, f"rpa_{case.value}_{bs.label()}"
 
