@@ -1,21 +1,21 @@
 """Builders for the profiler child: this project's kernel, lowered for one workload.
 
 On v5p the new tokens' K/V operand is placed in VMEM (``places_new_kv``: in decode, and in
-prefill / mixed for shapes of at most 2 KiB of K/V per token). The
-kernel's KV-cache update copies the new rows from that operand into the cache pages, and
-libtpu's static profiler marks a copy between two HBM buffers *remote*: on v5e, v5p and
-v6e a kernel with one gets 0 estimated cycles (``NO_HBM_TO_HBM_PRICE``; a one-DMA Pallas
-kernel, HBM -> HBM: 0 cycles and DMA_INSTRUCTION_TYPE_REMOTE, on TPU7x 620 cycles, local).
-Where the operand goes is XLA's choice, and XLA put it in VMEM in every program estimated
-so far: on v5e and v6e, and on v5p for one KV head. On v5p with two or more KV heads its
-decode programs made the operand with an unfused pad, in HBM, so every config crashed
-("no estimate"). Placed in VMEM they are estimated; v5p programs with one KV head get the
-same cycles (12 of 12 sampled probes of recorded configs, and ``tests/test_estimator.py``).
-v5e and v6e keep XLA's placement: the explicit one moved the q operand out of VMEM in a
-v5p prefill program of 8 KV heads (43,830 -> 42,292 cycles), and their recorded estimates
-would no longer compare with new ones. Serving keeps the operand in HBM, so the estimates
-of every generation but TPU7x price the cache update as a VMEM -> HBM write and the new
-rows' reads as VMEM -> VMEM copies (``docs/estimator.md``).
+prefill / mixed for shapes of at most 2 KiB of K/V per token). The kernel's KV-cache update
+copies the new rows from that operand into the cache pages, and libtpu's static profiler
+marks a copy between two HBM buffers *remote*: on v5e, v5p and v6e a kernel with one gets
+0 estimated cycles (``NO_HBM_TO_HBM_PRICE``; a one-DMA Pallas kernel, HBM -> HBM: 0 cycles
+and DMA_INSTRUCTION_TYPE_REMOTE, on TPU7x 620 cycles, local). Where the operand goes is
+XLA's choice: VMEM in every program estimated before, but in v5p decode programs of two
+or more KV heads XLA made it with an unfused pad, in HBM, and every such config crashed
+("no estimate"). Placed in VMEM they are estimated, and the v5p programs XLA's placement
+could estimate keep their cycles (``benchmarks/new_kv_placement.py``: 10 of 10 sampled
+recorded configs, to the cycle; ``tests/test_estimator.py``). v5e and v6e keep XLA's
+placement: the explicit one moved the q operand out of VMEM in a v5p prefill program of 8
+KV heads (43,830 -> 42,292 cycles), so their new estimates might not compare with recorded
+ones. Serving keeps the operand in HBM, so the estimates of every generation but TPU7x
+price the cache update as a VMEM -> HBM write and the new rows' reads as VMEM -> VMEM
+copies (``docs/estimator.md``).
 """
 from __future__ import annotations
 
@@ -35,8 +35,9 @@ PLACE_NEW_KV = frozenset({"v5p"})
 # a probe's 4096 tokens and a KV block of 2048 rows of padding) is at most this fraction of
 # the VMEM, so that every config of a key is lowered alike (the operand's size varies with
 # the config there; in decode it is at most 4 MiB). Beside the kernel's own buffers a larger
-# one failed compiles XLA's placement did not ("Too many buffers are colored in the
-# alternate memory", Llama-3-8B prefill at a 56 MiB limit), as if the config did not fit.
+# one turned the VMEM OOM the compile backend retries at another limit into a compile
+# error ("Too many buffers are colored in the alternate memory": Llama-3-8B prefill and
+# mixed on v5p at a 56 MiB limit), a verdict on the config that serving would not give.
 NEW_KV_VMEM_FRACTION = 0.25
 NEW_KV_MAX_ROWS = 4096 + 2048
 
