@@ -402,6 +402,36 @@ def test_after_a_profiler_crash_the_plain_compile_takes_the_smallest_probe_not_t
     assert seen == [d]
 
 
+def test_a_sliding_window_estimate_is_audited_against_the_window_s_bytes(monkeypatch):
+    """A window task's rate check bounds it by the keys its queries see: 8 decode sequences
+    of 2,000 tokens with a 64-token window read 64 keys each, not 2,000. An
+    estimate 1.05x that bound passes the audit (it is 30x faster than reading the whole
+    contexts, which the bound once asked for, so the audit refused every window config
+    that beat the full-context bound; Gemma-2's window keys on v5p)."""
+    import dataclasses
+    from kernel.hardware import tpu_info
+    from rpa_tune.estimator import compose
+    from rpa_tune.estimator.calibration import calibration
+    lim = ServingLimits(page_size=128, max_num_tokens=512, max_num_seqs=16, max_model_len=8192)
+    w = Workload.of_case("decode", [1] * 8, [2000] * 8)
+    t = dataclasses.replace(Task("compile", "v6e", "decode", LLAMA, lim, w, BlockSizes(1, 128, 1, 128),
+                                 timeout=60), sliding_window=64)
+    token = 2 * LLAMA.num_kv_heads * LLAMA.head_dim * 2                   # merged K/V of a token, bf16
+    qo = 2 * LLAMA.num_q_heads * LLAMA.head_dim * 2                        # its query read, output written
+    # per sequence: the window's 64 keys read (63 cached, the new one from its input), the new
+    # one written to the cache, its query read and output written
+    window_bytes = 8 * ((64 + 1) * token + qo)
+    bound_s = window_bytes / tpu_info("v6e").mem_bw_bytes_per_second
+    cycles = 1.05 * bound_s * calibration("v6e").clock_hz
+    monkeypatch.setattr(compose, "probe_config", lambda **kw: {
+        "status": "ok", "model": None, "probes": [{}], "audit": "complete", "reasons": [], "max_rss_bytes": 1 << 30})
+    monkeypatch.setattr(compose, "model_from_json", lambda m: type("M", (), {"cycles": lambda self, w: cycles})())
+    r = CompileEvaluator().evaluate(t)
+    assert r.status == "ok" and r.audit == "complete", r.message
+    assert r.memory_bound_s == pytest.approx(bound_s, rel=1e-9)
+    assert r.estimate_s == pytest.approx(1.05 * bound_s, rel=1e-6)
+
+
 @pytest.mark.parametrize("plain_fits", [True, False])
 def test_a_profiler_only_vmem_oom_is_profiled_again_with_the_vmem_size_override(monkeypatch, plain_fits):
     """The profiled probes run out of the chip's VMEM (the profiler's HLO temp) at every

@@ -100,7 +100,8 @@ class CompileEvaluator(Evaluator):
             from kernel.workload import ModelShape
             from rpa_tune.estimator import audit, compose
             cycles = compose.model_from_json(r["model"]).cycles(task.workload)
-            t = audit.time_model(cycles, task.workload, task.model, task.generation, task.case)
+            t = audit.time_model(cycles, task.workload, task.model, task.generation, task.case,
+                                 sliding_window=task.sliding_window)
             verdict, reasons = r["audit"], list(r["reasons"])
             if not t["rate_ok"]:
                 verdict, reasons = audit.INCOMPLETE, reasons + [t["rate_note"]]

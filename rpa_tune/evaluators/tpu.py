@@ -263,7 +263,8 @@ class TpuEvaluator(Evaluator):
             else:
                 notes.append("no kernel events in the profiler trace; wall-clock kept")
         from rpa_tune.estimator import audit
-        s = audit.time_model(0.0, task.workload, task.model, task.generation, task.case)
+        s = audit.time_model(0.0, task.workload, task.model, task.generation, task.case,
+                            sliding_window=task.sliding_window)
         return EvalResult(base.OK, self.method, metric=stats.median, samples=stats.samples, spread=stats.spread,
                           compile_s=compile_s, vmem_limit_bytes=limit, device_kind=dev.device_kind,
                           memory_bound_s=s["memory_bound_s"], compute_bound_s=s["compute_bound_s"],
