@@ -19,7 +19,7 @@ Method:
 Writes ``benchmarks/results/coverage_check.md``: per key the two bests, the gap, and the
 worst gap; keys whose sweeps have not run yet are listed as pending.
 
-    python benchmarks/coverage_check.py [--run] [--max-keys N] [--jobs 2]
+    python benchmarks/coverage_check.py [--run] [--max-keys N] [--jobs 2] [--case decode]
 
 Without ``--run`` it only reports from the results there are. ``--run --ahead`` also sweeps
 sampled keys the generation has not reached (its probes of them are then cached).
@@ -106,6 +106,8 @@ def main() -> int:
                     help="--run: also keys the generation has not reached yet (after the ready ones, in "
                          "plan order); their probes are then cached when it does")
     ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--case", choices=("decode", "prefill", "mixed"), action="append", default=None,
+                    help="--run: only the sampled keys of this case (repeatable; the report still covers all)")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "coverage_check.md")
     a = ap.parse_args()
     keys = sample(a.fraction, a.seed)
@@ -130,6 +132,8 @@ def main() -> int:
         todo = by_plan(k for k in ready if k.id() not in finished)
         if a.ahead:
             todo += by_plan(k for k in keys if k not in ready and k.id() not in finished)
+        if a.case:
+            todo = [k for k in todo if k.case in a.case]
         for k in todo[:a.max_keys]:
             args = sweeps[k.id()].args()
             i = args.index("--buckets")
