@@ -100,7 +100,8 @@ SHAPES: tuple[Shape, ...] = (
 # every pair of ``plan()``, the tables cover the matrix.
 COMPLETE: tuple[tuple[str, str], ...] = (("v5e", "llama3-70b-tp8"), ("v5p", "llama3-70b-tp8"),
                                          ("v6e", "llama3-70b-tp8"), ("v5e", "starcoder-15b (MQA)"),
-                                         ("v5p", "starcoder-15b (MQA)"), ("v6e", "starcoder-15b (MQA)"))
+                                         ("v5p", "starcoder-15b (MQA)"), ("v6e", "starcoder-15b (MQA)"),
+                                         ("v5p", "qwen3-32b-tp4"))
 
 # the generated workload of every swept bucket (module doc)
 SWEEP_WORKLOAD = {"decode": ["--num-seqs", "64"], "prefill": ["--chunk", "1024", "--num-chunks", "8"],
