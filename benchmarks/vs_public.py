@@ -278,7 +278,7 @@ def _audit(kernel: str, gen: str, case: Case, page: int, w: Workload, variant: V
     """The audit of one piece's trace, by the tuner's rules (``compose.probe_config``): the
     public kernel's write-back is off (its writes are not in the program; module doc) and
     each of its run-time-sized page DMAs moves at most one page."""
-    need = audit.needed(w, variant.model, case, variant.sliding_window)
+    need = audit.needed(w, variant.model, case, sliding_window=variant.sliding_window)
     page_bytes = None
     if kernel == "public":
         need = dataclasses.replace(need, kv_write_bytes=0)
@@ -443,7 +443,7 @@ def best(ests: dict, w: Workload, case: Case, gen: str, variant: Variant = BASE)
     one wins only when no candidate is complete, and is marked); of configs at the same time
     (both at a physical bound), the one with fewer cycles."""
     def tm(e):
-        return audit.time_model(e.cycles, w, variant.model, gen, case, variant.sliding_window)
+        return audit.time_model(e.cycles, w, variant.model, gen, case, sliding_window=variant.sliding_window)
     ok = [(bs, e, tm(e)) for bs, e in ests.items() if e.status == "ok"]
     if not ok:
         return None

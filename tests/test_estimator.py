@@ -29,7 +29,7 @@ def _trace(read_bytes, write_bytes, matmuls):
 
 def test_audit_flags_a_trace_missing_work():
     w = Workload.of_case("decode", [1] * 4, [2049] * 4)
-    need = audit.needed(w, LLAMA, "decode")
+    need = audit.needed(w, LLAMA, "decode", sliding_window=None)
     assert need.kv_read_bytes == 4 * 2048 * audit.token_bytes(LLAMA)
     matmuls = -(-need.flops // FakeCal.flops_per_vmatmul)
     ok = audit.audit_trace(_trace(need.kv_read_bytes, need.kv_write_bytes, matmuls), need, FakeCal())
@@ -59,7 +59,7 @@ def test_trace_counts_static_dma_bytes_and_names_run_time_sized_ones(tmp_path):
     assert t.dma_granules == {"hbm_to_vmem": 32768, "vmem_to_hbm": 64}
     assert t.dma_dynamic == {"hbm_to_vmem": 1} and t.mxu_matmuls == 1
     w = Workload.of_case("decode", [1] * 2, [2049] * 2)
-    a = audit.audit_trace(t, audit.needed(w, LLAMA, "decode"), FakeCal())
+    a = audit.audit_trace(t, audit.needed(w, LLAMA, "decode", sliding_window=None), FakeCal())
     assert a.verdict == audit.INCOMPLETE and any("run-time size" in r for r in a.reasons)
 
 
@@ -68,7 +68,7 @@ def test_run_time_sized_page_dmas_count_at_one_page_only_when_enough_are_issued(
     the read check counts each at one page, so it passes when enough DMAs are issued to carry
     the bytes the trace does not show, and fails when too few are (e.g. a dropped loop)."""
     w = Workload.of_case("decode", [1] * 2, [2049] * 2)
-    need = audit.needed(w, LLAMA, "decode")
+    need = audit.needed(w, LLAMA, "decode", sliding_window=None)
     page_bytes = audit.page_bytes(128, LLAMA)
     assert page_bytes == 128 * 8 * 2 * 128 * 2                 # tokens x KV heads x (K, V) x dims x bf16
     pages = -(-need.kv_read_bytes // page_bytes)               # 32 pages of context
@@ -88,10 +88,10 @@ def test_run_time_sized_page_dmas_count_at_one_page_only_when_enough_are_issued(
 def test_time_model_rejects_an_impossible_rate():
     """Cycles that would move the workload's bytes faster than HBM allows fail the rate check."""
     w = Workload.of_case("decode", [1] * 64, [4097] * 64)
-    t = audit.time_model(1000.0, w, LLAMA, "v6e", "decode")
+    t = audit.time_model(1000.0, w, LLAMA, "v6e", "decode", sliding_window=None)
     assert not t["rate_ok"] and "HBM" in t["rate_note"] and t["active_bound"] == "memory"
     assert t["time_s"] == t["memory_bound_s"] and t["mbu"] == pytest.approx(1.0)
-    slow = audit.time_model(1e9, w, LLAMA, "v6e", "decode")
+    slow = audit.time_model(1e9, w, LLAMA, "v6e", "decode", sliding_window=None)
     assert slow["rate_ok"] and slow["active_bound"] == "estimate" and slow["mbu"] < 0.01
 
 
@@ -105,10 +105,10 @@ def test_mfu_is_against_the_peak_a_head_dim_can_fill_as_the_paper_defines_it():
     from rpa_tune.estimator.calibration import calibration
     w = Workload.of_case("prefill", [4096], [4096])
     for gen, model, share in (("v6e", LLAMA, 0.5), ("v5e", LLAMA, 1.0), ("v6e", ModelShape(16, 8, 256), 1.0)):
-        t = audit.time_model(1e6, w, model, gen, "prefill")
+        t = audit.time_model(1e6, w, model, gen, "prefill", sliding_window=None)
         raw = metrics.flops(w, model, "prefill") / t["time_s"] / tpu_info(gen).bf16_ops_per_second
         assert t["mfu_of_peak"] == pytest.approx(raw) and t["mfu"] == pytest.approx(raw / share)
-    fast = audit.time_model(1.0, w, LLAMA, "v6e", "prefill")        # at the compute bound
+    fast = audit.time_model(1.0, w, LLAMA, "v6e", "prefill", sliding_window=None)        # at the compute bound
     assert fast["active_bound"] == "compute"
     assert fast["mfu"] == pytest.approx(calibration("v6e").k128_fraction_of_peak / 0.5) and fast["mfu"] <= 1.0
 
@@ -148,7 +148,7 @@ def test_step_plan_matches_the_page_dmas_in_the_trace(case, q, kv, bs, gen):
     if case == "decode":
         assert sum(st.pages for st in decode_steps(bs, LIM.page_size, kv)) == f["page_cached"]
     from rpa_tune.estimator.calibration import calibration
-    a = audit.audit_trace(tr, audit.needed(w, LLAMA, case), calibration(gen))
+    a = audit.audit_trace(tr, audit.needed(w, LLAMA, case, sliding_window=None), calibration(gen))
     assert a.verdict == audit.COMPLETE, a.reasons
 
 
@@ -571,7 +571,7 @@ def test_head_dim_256_and_fp8_kv_are_estimable(gen, model):
     tr = TraceStats.from_json(r["trace"])
     assert tr.dma_issues.get("hbm_to_vmem", 0) == features("decode", bs, LIM.page_size, q, kv)["page_cached"] > 0
     from rpa_tune.estimator.calibration import calibration
-    a = audit.audit_trace(tr, audit.needed(w, model, "decode"), calibration(gen))
+    a = audit.audit_trace(tr, audit.needed(w, model, "decode", sliding_window=None), calibration(gen))
     assert a.verdict == audit.COMPLETE, a.reasons
 
 
@@ -949,7 +949,7 @@ def test_v5p_decode_of_two_kv_heads_is_estimable_with_the_new_kv_in_vmem():
     # the page DMAs, and one per sequence for its q row when XLA leaves q in HBM
     assert pages > 0 and tr.dma_issues.get("hbm_to_vmem", 0) - pages in (0, len(q))
     from rpa_tune.estimator.calibration import calibration
-    a = audit.audit_trace(tr, audit.needed(w, QWEN_TP4, "decode"), calibration("v5p"))
+    a = audit.audit_trace(tr, audit.needed(w, QWEN_TP4, "decode", sliding_window=None), calibration("v5p"))
     assert a.verdict == audit.COMPLETE, a.reasons
 
 

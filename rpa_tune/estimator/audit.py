@@ -61,8 +61,11 @@ def page_bytes(page_size: int, model: ModelShape) -> int:
     return int(page_size) * token_bytes(model)
 
 
-def needed(workload: Workload, model: ModelShape, case: Case | str | None = None,
-           sliding_window: int | None = None) -> Needed:
+def needed(workload: Workload, model: ModelShape, case: Case | str | None = None, *,
+           sliding_window: int | None) -> Needed:
+    """What ``workload``'s ``case`` sequences (all without one) must move and compute.
+    ``sliding_window`` is required (None: full attention): a bound that forgets it counts
+    every cached key, and refused Gemma-2's v5p window estimates as faster than HBM."""
     lo, hi = (0, workload.num_seqs) if case is None else workload.case_range(Case.parse(case))
     tb = token_bytes(model)
     read = write = 0
@@ -137,8 +140,8 @@ def max_mxu_utilization(head_dim: int, cal) -> float:
     return min(1.0, head_dim / cal.mxu_column_size)
 
 
-def time_model(cycles: float, workload: Workload, model: ModelShape, generation: str, case=None,
-               sliding_window: int | None = None, cal=None) -> dict:
+def time_model(cycles: float, workload: Workload, model: ModelShape, generation: str, case=None, *,
+               sliding_window: int | None, cal=None) -> dict:
     """Time from cycles at the calibrated clock, the roofline bounds, which is active, MBU,
     MFU as the RPA paper defines it (against the bf16 peak times ``max_mxu_utilization``;
     ``mfu_of_peak``: against the plain peak), and the rate check. The FLOPs are the visible
@@ -148,7 +151,7 @@ def time_model(cycles: float, workload: Workload, model: ModelShape, generation:
     from .calibration import calibration
     cal = cal or calibration(generation)
     info = tpu_info(generation)
-    need = needed(workload, model, case, sliding_window)
+    need = needed(workload, model, case, sliding_window=sliding_window)
     est_s = cycles / cal.clock_hz
     mem_s = need.hbm_bytes / info.mem_bw_bytes_per_second
     cmp_s = need.flops / achievable_mxu_flops(generation, model.head_dim, cal)

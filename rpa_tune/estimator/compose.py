@@ -497,7 +497,7 @@ def probe_config(*, builder: str, case: Case | str, bs: BlockSizes, tpu: str, mo
         # the page table, which no step of the kernel costs by.
         req["limits"] = dict(limits, max_model_len=max(limits["max_model_len"],
                                                        round_up(max(w.kv_lens), limits["page_size"])))
-        need = audit_mod.needed(w, shape, case, window)
+        need = audit_mod.needed(w, shape, case, sliding_window=window)
         if not writes_kv_cache:
             need = dataclasses.replace(need, kv_write_bytes=0)
         # the public kernel fetches the cache one page per run-time-sized DMA (audit doc)
