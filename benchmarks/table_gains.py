@@ -6,7 +6,8 @@ Both metrics are the entry's own (one sweep, one workload, one method: the compi
 backend's audited estimate, or a device time). Entries without a heuristic metric (the
 heuristic failed, e.g. out of VMEM) are counted apart. Per generation x case: keys,
 promoted, geometric mean, worst and best speedup. The issue's goal: geomean >= 1.15x,
-worst >= 1.00x.
+worst >= 1.00x. Then the coverage of the matrix (``rpa_tune.coverage``) per generation x
+shape x case: the keys with a current entry out of the keys the plan expects.
 
     python benchmarks/table_gains.py [--tables tables] [--out benchmarks/results/table_gains.md]
 """
@@ -29,6 +30,41 @@ def speedup(e) -> float | None:
     if e.heuristic_metric is None or not e.metric:
         return None
     return e.heuristic_metric / e.metric if e.promoted else 1.0
+
+
+def coverage_lines(tables: Path, current: str) -> list[str]:
+    """Per generation x shape of the matrix and case: entries tuned for ``current`` / keys
+    expected (``coverage.expected_keys``), and how many of those are promoted."""
+    have = {}
+    for p in sorted(tables.glob("*.json")):
+        for e in kt.Table.read(p).entries:
+            if not kt.tuned_for_another_kernel(e, current):
+                have[e.key] = e
+    lines = ["## Coverage of the matrix", "",
+             "Keys with an entry tuned for the current kernel source / keys the plan expects "
+             "(`rpa_tune.coverage.expected_keys`: every page size and token bucket), and how many of "
+             "them are promoted. " + ", ".join(f"{g}: needs a device" for g in coverage.NEEDS_A_DEVICE) + ".", "",
+             "| generation | shape | " + " | ".join(coverage.CASES) + " |",
+             "|---|---|" + "---|" * len(coverage.CASES)]
+    total = [0, 0, 0]        # current entries of estimable keys, estimable keys, keys that need a device
+    for g in coverage.ESTIMABLE:
+        for s in coverage.SHAPES:
+            cells = []
+            for c in coverage.CASES:
+                keys = coverage.expected_keys(coverage.plan(generations=(g,), shapes=(s,), cases=(c,)))
+                got = [have[k] for k in keys if k in have]
+                cell = f"{len(got)}/{len(keys)} ({sum(e.promoted for e in got)} promoted)"
+                if coverage.needs_a_device(g, c):
+                    cell = f"needs a device ({len(got)}/{len(keys)} estimated)"
+                    total[2] += len(keys)
+                else:
+                    total[0] += len(got)
+                    total[1] += len(keys)
+                cells.append(cell)
+            lines.append(f"| {g} | {s.name} | " + " | ".join(cells) + " |")
+    lines += ["", f"In all: {total[0]} of the {total[1]} keys an estimate can cover have a current entry; "
+                  f"{total[2]} more keys of the estimable generations need a device."]
+    return lines
 
 
 def main() -> int:
@@ -69,6 +105,7 @@ def main() -> int:
             gains = ("needs a device: estimates refused", "-", "-")    # rpa_tune.coverage.NEEDS_A_DEVICE_CASES
         lines.append(f"| {g} | {c} | {len(es)} | {sum(e.promoted for e in es)} | " + " | ".join(gains)
                      + f" | {failed} | {stale[(g, c)]} |")
+    lines += [""] + coverage_lines(a.tables, current)
     a.out.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
