@@ -32,14 +32,10 @@ def speedup(e) -> float | None:
     return e.heuristic_metric / e.metric if e.promoted else 1.0
 
 
-def coverage_lines(tables: Path, current: str) -> list[str]:
-    """Per generation x shape of the matrix and case: entries tuned for ``current`` / keys
-    expected (``coverage.expected_keys``), and how many of those are promoted."""
-    have = {}
-    for p in sorted(tables.glob("*.json")):
-        for e in kt.Table.read(p).entries:
-            if not kt.tuned_for_another_kernel(e, current):
-                have[e.key] = e
+def coverage_lines(have: dict) -> list[str]:
+    """Per generation x shape of the matrix and case: the current entries (``have``: key ->
+    entry tuned for the current kernel source) / keys expected (``coverage.expected_keys``),
+    and how many of those are promoted."""
     lines = ["## Coverage of the matrix", "",
              "Keys with an entry tuned for the current kernel source / keys the plan expects "
              "(`rpa_tune.coverage.expected_keys`: every page size and token bucket), and how many of "
@@ -105,7 +101,7 @@ def main() -> int:
             gains = ("needs a device: estimates refused", "-", "-")    # rpa_tune.coverage.NEEDS_A_DEVICE_CASES
         lines.append(f"| {g} | {c} | {len(es)} | {sum(e.promoted for e in es)} | " + " | ".join(gains)
                      + f" | {failed} | {stale[(g, c)]} |")
-    lines += [""] + coverage_lines(a.tables, current)
+    lines += [""] + coverage_lines({e.key: e for es in groups.values() for e in es})
     a.out.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
