@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from cli_checks import assert_one_error_line
 
 RPA_TUNE = str(Path(sys.executable).with_name("rpa-tune"))
 SPACE = """
@@ -89,12 +90,7 @@ def test_bad_input_one_line_exit_2_nothing_written(name, tmp_path):
         args = args(tmp_path)
     before = _files(work)
     r = run(args, cwd=work, env={"JAX_PLATFORMS": "cpu"})
-    assert r.returncode == 2, (r.stdout, r.stderr)
-    lines = [l for l in r.stderr.splitlines() if l.strip()]
-    assert len(lines) == 1 and lines[0].startswith("rpa-tune: error: "), r.stderr
-    for n in needles:
-        assert n in lines[0], (n, lines[0])
-    assert "Traceback" not in r.stdout + r.stderr
+    assert_one_error_line(r, needles)
     assert _files(work) == before, "nothing may be written on bad input"
 
 

@@ -21,6 +21,7 @@ from rpa_tune.presets import get_preset
 from rpa_tune.space import load_space
 from rpa_tune.store import ResultStore
 from rpa_tune.workloads import make_workload
+from cli_checks import assert_one_error_line
 
 TESTS = str(Path(__file__).resolve().parent)
 RPA_TUNE = str(Path(sys.executable).with_name("rpa-tune"))
@@ -255,10 +256,7 @@ def test_tpe_with_a_budget_two_workers_never_evaluate_a_config_twice(tmp_path):
 def test_bad_storage_exits_2_with_one_line(tmp_path, args, needles):
     args = [a.replace("{tmp}", str(tmp_path)) for a in args]
     r = run([*args, *(["--results", str(tmp_path / "res")] if args[0] == "sweep" else [])], env_for(tmp_path, "bad"))
-    lines = [l for l in r.stderr.splitlines() if l.strip()]
-    assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("rpa-tune: error: "), r.stderr
-    for n in needles:
-        assert n in lines[0], lines[0]
+    assert_one_error_line(r, needles)
     assert "secret" not in r.stderr and not (tmp_path / "res").exists()
     assert not list(tmp_path.glob("none.*")), "reading a storage creates nothing"
 

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from cli_checks import assert_one_error_line
 
 TESTS = str(Path(__file__).resolve().parent)
 RPA_TUNE = str(Path(sys.executable).with_name("rpa-tune"))
@@ -48,12 +49,7 @@ def bad_workload(tmp_path_factory):
 def test_bad_input_exits_2_with_one_line_and_writes_nothing(tmp_path, args, needles):
     res = tmp_path / "results"
     r = run(["sweep", *args, "--results", str(res)])
-    assert r.returncode == 2, (r.stdout, r.stderr)
-    lines = [l for l in r.stderr.splitlines() if l.strip()]
-    assert len(lines) == 1 and lines[0].startswith("rpa-tune: error: "), r.stderr
-    for n in needles:
-        assert n in lines[0]
-    assert "Traceback" not in r.stderr + r.stdout
+    assert_one_error_line(r, needles)
     assert not res.exists(), "nothing may be written on bad input"
 
 
