@@ -62,11 +62,31 @@ def sweep_of(key):
     raise LookupError(key.id())
 
 
-def rows_of(df, key):
-    m = df["status"] == "ok"
+def key_rows(df, key):
+    """Every row of ``key`` in ``df``, whatever its status."""
+    m = df["status"].notna()
     for c in KEY_COLS:
         m &= df[c] == getattr(key, c)
-    return df[m & df["metric"].notna()]
+    return df[m]
+
+
+def rows_of(df, key):
+    rows = key_rows(df, key)
+    return rows[(rows["status"] == "ok") & rows["metric"].notna()]
+
+
+def repriced_in_part(path: Path, keys) -> set:
+    """Ids of ``keys`` whose exhaustive grid under ``path`` a newer evaluator version is
+    pricing again and has not finished: the newest version's rows (what ``read_current``
+    keeps) cover fewer configs than the key's rows of every version. Such a grid is no
+    landscape yet: the configs still to be re-priced are missing from it."""
+    from rpa_tune.store import ResultStore, newest_evaluator_frame
+    if not path.exists():
+        return set()
+    every = ResultStore(path).read()
+    current = newest_evaluator_frame(every)
+    configs = lambda df: len(df[["bq", "bkv", "cq", "ckv"]].drop_duplicates())
+    return {k.id() for k in keys if configs(key_rows(current, k)) < configs(key_rows(every, k))}
 
 
 def current_version(key) -> str:
@@ -148,6 +168,7 @@ def main() -> int:
         ex = read(a.results)
         stale = stale_keys(ex, keys)
     complete = set(json.loads(marker.read_text())) if marker.exists() else set()
+    complete -= repriced_in_part(a.results, keys)
     lines = ["# Budgeted search against the exhaustive best (compile backend, audited estimates)", "",
              f"Sample: {len(keys) + len(device)} of {len(coverage.expected_keys())} matrix keys ({a.fraction:.0%}, "
              f"seed {a.seed}; "
@@ -174,7 +195,7 @@ def main() -> int:
                      f"{fmt(be)} | {gap:+.2%} |")
     lines += ["", f"Checked {len(gaps)} keys; worst gap {max(gaps):+.2%}." if gaps else "No key checked yet.",
               "", f"Pending ({len(pending)}: generation or exhaustive sweep not run, or not finished, or the "
-                  "exhaustive grid priced by an older evaluator version): " + ", ".join(k.id() for k in pending)]
+                  "exhaustive grid priced by an older evaluator version, or being priced again by the newest): " + ", ".join(k.id() for k in pending)]
     if stale:
         lines += ["", f"Exhaustive grids of an older evaluator version ({len(stale)}; `--run` sweeps them again): "
                   + ", ".join(sorted(stale))]

@@ -1,0 +1,62 @@
+"""``benchmarks/coverage_check.py``'s rule for an exhaustive grid a newer evaluator version is
+pricing again: until every config is re-priced, the grid is no landscape (the exhaustive
+check calls it pending, ``benchmarks/search_replay.py`` skips it)."""
+import json
+import sys
+from pathlib import Path
+
+import pandas as pd
+
+from rpa_tune import coverage
+from rpa_tune.store import ResultStore
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from benchmarks.coverage_check import repriced_in_part  # noqa: E402
+
+EXHAUSTIVE = REPO / "benchmarks" / "results" / "exhaustive"
+
+
+def _one_grid():
+    """A finished exhaustive grid from the shipped check: its key and its current rows."""
+    keys = {k.id(): k for k in coverage.expected_keys()}
+    current = ResultStore(EXHAUSTIVE).read_current()
+    for key_id in json.loads((EXHAUSTIVE / "complete.json").read_text()):
+        rows = current[current["key_id"] == key_id]
+        if len(rows[["bq", "bkv", "cq", "ckv"]].drop_duplicates()) >= 4:
+            return keys[key_id], rows
+    raise AssertionError("no finished grid of 4 configs or more in benchmarks/results/exhaustive")
+
+
+def _reprice(rows, n, when):
+    """The first ``n`` configs of ``rows`` priced again by a newer evaluator version."""
+    again = rows.sort_values(["bq", "bkv", "cq", "ckv"]).head(n).copy()
+    again["evaluator_version"] = again["evaluator_version"].astype(str) + "-next"
+    again["timestamp"] = when
+    return again
+
+
+def _records(df):
+    """Store rows from a DataFrame (its missing values as None, not NaN)."""
+    return df.astype(object).where(df.notna(), None).to_dict("records")
+
+
+def test_a_grid_priced_again_in_part_is_named_until_every_config_is(tmp_path):
+    key, rows = _one_grid()
+    store = ResultStore(tmp_path)
+    store.append(_records(rows))
+    assert repriced_in_part(tmp_path, [key]) == set()          # one version throughout: a landscape
+
+    n = len(rows)
+    later = pd.Timestamp(rows["timestamp"].max()) + pd.Timedelta(hours=1)
+    store.append(_records(_reprice(rows, n // 2, later)))
+    assert repriced_in_part(tmp_path, [key]) == {key.id()}     # half the grid under the new version
+
+    rest = rows.sort_values(["bq", "bkv", "cq", "ckv"]).iloc[n // 2:]
+    store.append(_records(_reprice(rest, len(rest), later)))
+    assert repriced_in_part(tmp_path, [key]) == set()          # all of it: a landscape again
+
+
+def test_a_missing_results_directory_has_no_partial_grid(tmp_path):
+    assert repriced_in_part(tmp_path / "absent", list(coverage.expected_keys())[:3]) == set()
