@@ -101,7 +101,8 @@ SHAPES: tuple[Shape, ...] = (
 COMPLETE: tuple[tuple[str, str], ...] = (("v5e", "llama3-70b-tp8"), ("v5p", "llama3-70b-tp8"),
                                          ("v6e", "llama3-70b-tp8"), ("v5e", "starcoder-15b (MQA)"),
                                          ("v5p", "starcoder-15b (MQA)"), ("v6e", "starcoder-15b (MQA)"),
-                                         ("v5p", "qwen3-32b-tp4"))
+                                         ("v5e", "qwen3-32b-tp4"), ("v5p", "qwen3-32b-tp4"),
+                                         ("v6e", "qwen3-32b-tp4"))
 
 # the generated workload of every swept bucket (module doc)
 SWEEP_WORKLOAD = {"decode": ["--num-seqs", "64"], "prefill": ["--chunk", "1024", "--num-chunks", "8"],
