@@ -79,7 +79,8 @@ def repriced_in_part(path: Path, keys) -> set:
     """Ids of ``keys`` whose exhaustive grid under ``path`` a newer evaluator version is
     pricing again and has not finished: the newest version's rows (what ``read_current``
     keeps) cover fewer configs than the key's rows of every version. Such a grid is no
-    landscape yet: the configs still to be re-priced are missing from it."""
+    landscape yet: the configs still to be re-priced are missing from it. Pending in the
+    report, and ``--run`` resumes it (``complete.json`` still lists it from its older run)."""
     from rpa_tune.store import ResultStore, newest_evaluator_frame
     if not path.exists():
         return set()
@@ -145,7 +146,7 @@ def main() -> int:
     if a.run:
         a.results.mkdir(parents=True, exist_ok=True)
         finished = set(json.loads(marker.read_text())) if marker.exists() else set()
-        finished -= stale
+        finished -= stale | repriced_in_part(a.results, keys)   # a re-pricing cut short resumes
         sweeps = {k.id(): sweep_of(k) for k in keys}
         order = {sw: i for i, sw in enumerate(coverage.plan(estimable_only=True))}
         by_plan = lambda ks: sorted(ks, key=lambda k: order[sweeps[k.id()]])
