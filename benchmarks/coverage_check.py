@@ -196,7 +196,8 @@ def main() -> int:
                      f"{fmt(be)} | {gap:+.2%} |")
     lines += ["", f"Checked {len(gaps)} keys; worst gap {max(gaps):+.2%}." if gaps else "No key checked yet.",
               "", f"Pending ({len(pending)}: generation or exhaustive sweep not run, or not finished, or the "
-                  "exhaustive grid priced by an older evaluator version, or being priced again by the newest): " + ", ".join(k.id() for k in pending)]
+                  "exhaustive grid priced by an older evaluator version, or being priced again by the newest): "
+                  + ", ".join(k.id() for k in pending)]
     if stale:
         lines += ["", f"Exhaustive grids of an older evaluator version ({len(stale)}; `--run` sweeps them again): "
                   + ", ".join(sorted(stale))]
