@@ -75,6 +75,11 @@ def rows_of(df, key):
     return rows[(rows["status"] == "ok") & rows["metric"].notna()]
 
 
+def configs(rows) -> int:
+    """How many distinct configs (bq, bkv, cq, ckv) ``rows`` hold."""
+    return len(rows[["bq", "bkv", "cq", "ckv"]].drop_duplicates())
+
+
 def repriced_in_part(path: Path, keys) -> set:
     """Ids of ``keys`` whose exhaustive grid under ``path`` a newer evaluator version is
     pricing again and has not finished: the newest version's rows (what ``read_current``
@@ -86,7 +91,6 @@ def repriced_in_part(path: Path, keys) -> set:
         return set()
     every = ResultStore(path).read()
     current = newest_evaluator_frame(every)
-    configs = lambda df: len(df[["bq", "bkv", "cq", "ckv"]].drop_duplicates())
     return {k.id() for k in keys if configs(key_rows(current, k)) < configs(key_rows(every, k))}
 
 
@@ -192,7 +196,7 @@ def main() -> int:
         gap = bg["metric"] / be["metric"] - 1
         gaps.append(gap)
         fmt = lambda r: f"({r['bq']}, {r['bkv']}, {r['cq']}, {r['ckv']}) {r['metric'] * 1e6:.1f}"
-        lines.append(f"| {k.id()} | {e[['bq', 'bkv', 'cq', 'ckv']].drop_duplicates().shape[0]} | {fmt(bg)} | "
+        lines.append(f"| {k.id()} | {configs(e)} | {fmt(bg)} | "
                      f"{fmt(be)} | {gap:+.2%} |")
     lines += ["", f"Checked {len(gaps)} keys; worst gap {max(gaps):+.2%}." if gaps else "No key checked yet.",
               "", f"Pending ({len(pending)}: generation or exhaustive sweep not run, or not finished, or the "

@@ -13,7 +13,7 @@ from rpa_tune.store import ResultStore
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchmarks.coverage_check import repriced_in_part  # noqa: E402
+from benchmarks.coverage_check import configs, repriced_in_part  # noqa: E402
 
 EXHAUSTIVE = REPO / "benchmarks" / "results" / "exhaustive"
 
@@ -24,7 +24,7 @@ def _one_grid():
     current = ResultStore(EXHAUSTIVE).read_current()
     for key_id in json.loads((EXHAUSTIVE / "complete.json").read_text()):
         rows = current[current["key_id"] == key_id]
-        if len(rows[["bq", "bkv", "cq", "ckv"]].drop_duplicates()) >= 4:
+        if configs(rows) >= 4:
             return keys[key_id], rows
     raise AssertionError("no finished grid of 4 configs or more in benchmarks/results/exhaustive")
 
