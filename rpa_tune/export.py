@@ -6,7 +6,9 @@ files, whatever the order of rows or files):
 1. Rows are read from every ``*.parquet`` under each ``--results`` path (several sweeps or
    machines merge by concatenation; exact duplicate rows are dropped).
 2. A configuration (bq, bkv, cq, ckv) is *disqualified* for the key if any row for it says
-   ``wrong_result``, ``vmem_oom`` or ``compile_error``. ``timeout`` / ``crash`` rows are
+   ``wrong_result``, ``vmem_oom`` or ``compile_error`` under the kernel source (``kernel_hash``)
+   of the comparison group used (3.), whatever its workload or backend; a failure under an
+   earlier source says nothing of this one. ``timeout`` / ``crash`` rows are
    infrastructure failures and disqualify nothing.
 3. ``ok`` rows with a positive metric form *comparison groups* (method, kernel_hash,
    workload_id): numbers are only compared within one group. The group used is the
@@ -235,12 +237,6 @@ def _needs_a_device(key: TuningKey) -> str | None:
 
 def select_key(key: TuningKey, rows: list[dict], kernel: str = "rpa-tune") -> KeyReport:
     """The table entry for one key from its result rows (see the module docstring)."""
-    disq: dict[BlockSizes, str] = {}
-    for r in rows:
-        st = _str(r.get("status"))
-        if st in DISQUALIFYING:
-            bs = _row_bs(r)
-            disq.setdefault(bs, st)
     ok = [r for r in rows if _str(r.get("status")) == "ok" and _str(r.get("method")) in ("estimate", "measured")
           and _clean(r.get("metric")) is not None and math.isfinite(float(r["metric"]))
           and float(r["metric"]) > 0]
@@ -262,6 +258,13 @@ def select_key(key: TuningKey, rows: list[dict], kernel: str = "rpa-tune") -> Ke
     (method, khash, wid), grows = max(groups.items(), key=group_rank)
     others = {w: _str(rs[0].get("workload")) or "" for (m, kh, w), rs in sorted(groups.items())
               if m == method and kh == khash and w != wid}
+    # A failure disqualifies a config only for the kernel source it failed with: VMEM and
+    # correctness verdicts do not depend on the workload, but an earlier source's say nothing.
+    disq: dict[BlockSizes, str] = {}
+    for r in rows:
+        st = _str(r.get("status"))
+        if st in DISQUALIFYING and (_str(r.get("kernel_hash")) or "") == khash:
+            disq.setdefault(_row_bs(r), st)
     stats = _aggregate(grows)
     cands = {bs: s for bs, s in stats.items() if bs not in disq}
     if not cands:

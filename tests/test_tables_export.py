@@ -156,6 +156,22 @@ def test_failing_heuristic_promotes_best_and_disqualification():
     assert tuple(e.block_sizes) == _other_bs(k, 2)      # other_bs(1) was wrong; a timeout disqualifies nothing
 
 
+
+def test_a_failure_under_an_earlier_kernel_source_disqualifies_nothing():
+    # the current source's heuristic fits (ok), the earlier source's ran out of VMEM: the
+    # entry compares against the heuristic's estimate, not "the heuristic failed"
+    k = key()
+    rows = [row(k, H(k), None, status="vmem_oom", kernel_hash="old", timestamp="2025-01-01T00:00:00Z"),
+            row(k, _other_bs(k, 0), None, status="vmem_oom", kernel_hash="old", timestamp="2025-01-01T00:00:00Z"),
+            row(k, H(k), 1e-4), row(k, _other_bs(k, 0), 0.5e-4)]
+    (rep,) = _one(rows)
+    e = rep.entry
+    assert e.heuristic_metric == pytest.approx(1e-4) and e.gain == pytest.approx(1.0)
+    assert tuple(e.block_sizes) == _other_bs(k, 0) and e.promoted and "failed" not in e.decision
+    # the same failure under the current source still disqualifies
+    (rep,) = _one(rows + [row(k, _other_bs(k, 0), None, status="vmem_oom")])
+    assert tuple(rep.entry.block_sizes) == H(k)
+
 def test_heuristic_best_is_kept():
     k = key()
     rows = [row(k, H(k), 1e-4), row(k, _other_bs(k), 1.1e-4)]
