@@ -156,7 +156,6 @@ def test_failing_heuristic_promotes_best_and_disqualification():
     assert tuple(e.block_sizes) == _other_bs(k, 2)      # other_bs(1) was wrong; a timeout disqualifies nothing
 
 
-
 def test_a_failure_under_an_earlier_kernel_source_disqualifies_nothing():
     # the current source's heuristic fits (ok), the earlier source's ran out of VMEM: the
     # entry compares against the heuristic's estimate, not "the heuristic failed"
@@ -171,6 +170,7 @@ def test_a_failure_under_an_earlier_kernel_source_disqualifies_nothing():
     # the same failure under the current source still disqualifies
     (rep,) = _one(rows + [row(k, _other_bs(k, 0), None, status="vmem_oom")])
     assert tuple(rep.entry.block_sizes) == H(k)
+
 
 def test_heuristic_best_is_kept():
     k = key()
