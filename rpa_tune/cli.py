@@ -104,6 +104,9 @@ def sweep(
                                "from the best config: evaluate its neighbours (one or two block sizes doubled "
                                "or halved, or bq with cq and bkv with ckv) while one beats it, at most this many "
                                "more (0: no climb)."),
+    seeds: int = typer.Option(0, "--seeds", min=0, help="--buckets with the compile backend: each bucket's "
+                              "search first evaluates what the other buckets of the key evaluated ok; only "
+                              "the N best of each other bucket (0: all of them)."),
     jobs: int = typer.Option(2, "--jobs", "-j", min=1, help="Parallel evaluations (worker processes); with the "
                              "compile backend each compiles its config's probes on cores / jobs processes "
                              "(RPA_TUNE_PROBE_WORKERS overrides); the tpu backend uses 1."),
@@ -137,7 +140,8 @@ def sweep(
             dtype=dtype, kv_dtype=kv_dtype, page_size=page_size, max_num_tokens=max_num_tokens, buckets=buckets,
             max_num_seqs=max_num_seqs, max_model_len=max_model_len, workload=workload, num_seqs=num_seqs,
             context=context, chunk=chunk, num_chunks=num_chunks, seed=seed, backend=value(backend),
-            search=value(search), budget=budget, patience=patience, refine=refine, jobs=jobs, timeout=timeout,
+            search=value(search), budget=budget, patience=patience, refine=refine, seeds=seeds, jobs=jobs,
+            timeout=timeout,
             results=results,
             space=space, retry=[value(r) for r in retry], dry_run=dry_run, sliding_window=sliding_window,
             kernel=value(kernel), soft_cap=soft_cap)
@@ -159,6 +163,9 @@ def sweep(
         if retry:
             fail("--retry cannot be combined with --storage (the study already holds those configs; "
                  "rerun them in a new storage)")
+        if seeds:
+            fail(f"--seeds {seeds} cannot be combined with --storage (a shared study seeds no bucket from "
+                 "another); use --seeds 0 or run without --storage")
         if refine:
             fail(f"--refine {refine} cannot be combined with --storage (the shared study plans its configs "
                  "up front); use --refine 0 or run without --storage")
@@ -206,7 +213,7 @@ def sweep(
 def _build_specs(*, tpu, case, model, q_heads, kv_heads, head_dim, dtype, kv_dtype, page_size, max_num_tokens,
                  max_num_seqs, max_model_len, workload, num_seqs, context, chunk, num_chunks, seed, backend,
                  search, budget, patience, jobs, timeout, results, space, retry, dry_run, buckets=None, refine=0,
-                 sliding_window=None, kernel="rpa-tune", soft_cap=None):
+                 seeds=0, sliding_window=None, kernel="rpa-tune", soft_cap=None):
     """Validate every input and build one SweepSpec per bucket x case (no side effects)."""
     from kernel.config import Case
     from .kernels import KernelError, get_kernel
@@ -259,7 +266,8 @@ def _build_specs(*, tpu, case, model, q_heads, kv_heads, head_dim, dtype, kv_dty
             spec = SweepSpec(key=key, model=m, limits=limits, workload=w,
                              workload_desc=f"{describe(w)}{window} [{origin}]", case_space=cs, backend=be,
                              search=search, budget=budget, seed=seed, jobs=jobs, timeout=timeout,
-                             patience=patience, refine=refine, retry=tuple(retry), model_label=model_label,
+                             patience=patience, refine=refine, seeds=seeds, retry=tuple(retry),
+                             model_label=model_label,
                              sliding_window=sliding_window, kernel=kern.name, soft_cap=soft_cap)
             try:
                 plan = plan_sweep(spec)

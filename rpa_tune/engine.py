@@ -289,6 +289,7 @@ class SweepSpec:
     timeout: float = 900.0
     patience: int = 10
     refine: int = 0              # climb asks after the budget (rpa_tune.search), outside it
+    seeds: int = 0               # seeds from each other bucket, its best first (0: all; sibling_configs)
     retry: tuple = ()            # statuses to evaluate again on resume
     model_label: str = ""
     sliding_window: int | None = None   # the window the kernel runs with (key.sliding_window)
@@ -462,13 +463,22 @@ def sibling_configs(spec: SweepSpec, ctx: SweepContext, recorded: dict) -> list[
     kernel hash and backend; any workload and evaluator version), best first: a sweep over
     several buckets (``--buckets``) seeds each bucket's search with them
     (``rpa_tune.search``), since the compile backend prices them from cached probes. Other
-    backends pay for every evaluation (a device run, an interpretation): none for them."""
+    backends pay for every evaluation (a device run, an interpretation): none for them.
+    ``spec.seeds`` > 0: only the configs among the ``spec.seeds`` best of some other bucket
+    (a probe cache that did not survive, e.g. on a fresh machine, makes every seed a full
+    evaluation, and most of a long sweep's are far from any bucket's best)."""
     if spec.backend != "compile":
         return []
     rows = [r for r in recorded.values()
             if r.get("status") == base.OK and r.get("metric") is not None
             and r.get("max_num_tokens") != spec.key.max_num_tokens and _priced_alike(r, spec, ctx)]
     rows.sort(key=lambda r: r["metric"])
+    if spec.seeds:
+        best: dict = {}
+        for r in rows:
+            best.setdefault(r["max_num_tokens"], dict()).setdefault(row_block_sizes(r), None)
+        keep = {bs for per in best.values() for bs in list(per)[:spec.seeds]}
+        rows = [r for r in rows if row_block_sizes(r) in keep]
     return list(dict.fromkeys(map(row_block_sizes, rows)))
 
 

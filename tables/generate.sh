@@ -10,14 +10,14 @@
 #      tables then hold only these results' keys).
 # Knobs (env): GENS="v6e tpu7x" SHAPES="llama3-8b,qwen3-32b-tp4" CASES="decode prefill"
 #   (subsets of the plan; default all), DECODE_BUDGET=30 BUDGET=12 (new configs per key; a
-#   space no larger than its budget is swept whole; each bucket after the first also
-#   evaluates, outside its budget, every config the earlier buckets evaluated, priced from
-#   their cached probes). Only the explore buckets (rpa_tune/coverage.py: 128, 2048, 8192)
-#   search; the others ("fill" sweeps, --budget 1) evaluate their heuristic and what the
-#   explore buckets evaluated. REFINE=32: after its budget, each explore sweep climbs from its
-#   best config (`rpa-tune sweep --refine`: neighbours one or two block sizes doubled or
-#   halved, while one beats it, at most REFINE more). JOBS=2, TIMEOUT=900 (s per config),
-#   EXPORT=0 (sweep only). SHARD=K/N: only part K of N of the plan (its keys round-robin, each
+#   space no larger than its budget is swept whole; each bucket also evaluates, outside its
+#   budget, the SEEDS=8 best configs of every other bucket of its key, priced from their
+#   cached probes: `rpa-tune sweep --seeds`, 0 for all of them). Only the explore buckets
+#   (rpa_tune/coverage.py: 128, 2048, 8192) search; the others ("fill" sweeps, --budget 1)
+#   evaluate their heuristic and those seeds. REFINE=32: after its budget, each explore sweep
+#   climbs from its best config (`rpa-tune sweep --refine`: neighbours one or two block sizes
+#   doubled or halved, while one beats it, at most REFINE more). JOBS=2, TIMEOUT=900 (s per
+#   config), EXPORT=0 (sweep only). SHARD=K/N: only part K of N of the plan (its keys round-robin, each
 #   with its explore and fill sweeps), to split the matrix over N machines; run it with
 #   EXPORT=0 on each, then copy every machine's tables/results/part-*.parquet into one
 #   tables/results and run the last two steps there (docs/tables.md, "Regenerating").
@@ -29,6 +29,7 @@ PY=${PYTHON:-python}
 DECODE_BUDGET=${DECODE_BUDGET:-30}
 BUDGET=${BUDGET:-12}
 REFINE=${REFINE:-32}
+SEEDS=${SEEDS:-8}
 JOBS=${JOBS:-2}
 TIMEOUT=${TIMEOUT:-900}
 RESULTS=tables/results
@@ -49,9 +50,9 @@ while IFS=' ' read -r role line; do
   r=$REFINE
   [ "${args[3]}" = decode ] && b=$DECODE_BUDGET
   [ "$role" = fill ] && b=1 && r=0
-  echo "=== [$i/$n] $role: sweep $line --budget $b --refine $r ($(( ($(date +%s) - start) / 60 )) min so far)"
-  $PY -m rpa_tune.cli sweep "${args[@]}" --backend compile --budget "$b" --refine "$r" --jobs "$JOBS" \
-    --timeout "$TIMEOUT" --results "$RESULTS" </dev/null \
+  echo "=== [$i/$n] $role: sweep $line --budget $b --refine $r --seeds $SEEDS ($(( ($(date +%s) - start) / 60 )) min so far)"
+  $PY -m rpa_tune.cli sweep "${args[@]}" --backend compile --budget "$b" --refine "$r" --seeds "$SEEDS" \
+    --jobs "$JOBS" --timeout "$TIMEOUT" --results "$RESULTS" </dev/null \
     || echo "sweep [$i/$n] failed (exit $?); continuing"
 done <<< "$plan"
 echo "=== sweeps done in $(( ($(date +%s) - start) / 60 )) min"

@@ -291,6 +291,31 @@ def test_each_bucket_starts_from_the_configs_the_earlier_buckets_evaluated(tmp_p
     assert "configs evaluated at other token buckets" in doc[1]["search_note"] and not doc[0]["search_note"]
 
 
+def test_seeds_limits_a_bucket_to_the_best_configs_of_each_other_bucket(tmp_path):
+    """`--seeds N`: a bucket's search first evaluates only the N best configs (by their ok
+    metric) of each other bucket, not all of them; the rest of its budget is its own."""
+    import pandas as pd
+    res = tmp_path / "results"
+    cmd, env = _fake_bucket_sweep(res, "cli-seeds-cap")
+    r = run(cmd + ["--seeds", "2"], env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    df = pd.read_parquet(res)
+    small = df[(df["max_num_tokens"] == 512) & (df["status"] == "ok")].sort_values("metric")
+    assert len(_configs(small)) == 6
+    best2 = set(map(tuple, small[["bq", "bkv", "cq", "ckv"]].to_numpy().tolist()[:2]))
+    big = df[df["max_num_tokens"] == 1024]
+    seeded = _configs(big[big["search"] == "seed"])
+    assert seeded == best2 - _configs(big[big["is_heuristic"]]) and seeded
+    assert len(big) <= 6 + len(seeded)
+
+
+def test_seeds_with_a_shared_study_is_refused(tmp_path):
+    r = run(["sweep", "--tpu", "v6e", "--seeds", "3", "--storage", str(tmp_path / "s.journal"),
+             "--results", str(tmp_path / "results")])
+    assert_one_error_line(r, ["--seeds 3 cannot be combined with --storage"])
+    assert not (tmp_path / "results").exists()
+
+
 def _fake_bucket_sweep(res, tag: str):
     """A two-bucket TPE sweep of the fake compile evaluator (budget 6, one job): its command
     and environment."""
