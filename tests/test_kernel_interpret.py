@@ -80,7 +80,15 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("model,limits,workload,kwargs", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+# Under ``slow`` (the default suite's time): cases whose behaviour a default one covers.
+# decode-gqa: decode-new-token-opens-a-block (GQA, bq 1); mixed-gqa and all-three:
+# decode-groups-then-prefill-mixed (GQA, the three cases in one batch) and mixed-mqa;
+# prefill-no-context: the dead-chunk test's uncached prefill.
+SLOW_CASES = {"decode-gqa", "mixed-gqa", "all-three", "prefill-no-context"}
+
+
+@pytest.mark.parametrize("model,limits,workload,kwargs", [
+    pytest.param(*c[1:], id=c[0], marks=[pytest.mark.slow] if c[0] in SLOW_CASES else []) for c in CASES])
 def test_matches_reference(model, limits, workload, kwargs):
     run_and_check(model, limits, workload, sm_scale=model.head_dim ** -0.5, **kwargs)
 

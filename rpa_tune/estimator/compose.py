@@ -477,6 +477,11 @@ def probe_config(*, builder: str, case: Case | str, bs: BlockSizes, tpu: str, mo
             pass
     cal = calibration(tpu)
     shape = ModelShape(**model)
+    from . import ours
+    # Where XLA leaves our kernel's new K/V operand in HBM, the kernel gets no estimate
+    # (``ours.places_on_no_estimate``): the config's probes are profiled again with it in VMEM.
+    place = {"new_kv": False, "first": None}
+    may_place = builder == OURS and ours.places_on_no_estimate(tpu, case, shape)
     deadline = None if timeout is None else time.monotonic() + timeout
     out = {"status": "ok", "probes": [], "audit": audit_mod.COMPLETE, "reasons": [], "compile_s": 0.0,
            "max_rss_bytes": 0}
@@ -492,6 +497,8 @@ def probe_config(*, builder: str, case: Case | str, bs: BlockSizes, tpu: str, mo
         for k in ("builder", "bs", "profiler", "walk_new", "public_audit", "libtpu_args", "partial_probe",
                   "mixed_warm_up"):
             req.pop(k, None)
+        if place["new_kv"]:
+            req["place_new_kv"] = True
         # A decode probe of two full steps is longer than a key's max_model_len when bkv is
         # half of it (bkv 4096 at 8K): the probe's limits admit it. max_model_len only sizes
         # the page table, which no step of the kernel costs by.
@@ -520,7 +527,9 @@ def probe_config(*, builder: str, case: Case | str, bs: BlockSizes, tpu: str, mo
         # iterations, which the audit sees as missing work: such a probe is profiled again
         # without fast-forward (so is one whose profiler crashed), and so are the config's
         # probes not started yet, whose programs have the same loops.
-        if forwarded and r["status"] in ("ok", "crash") and (a is None or a.verdict != audit_mod.COMPLETE):
+        # (Not one without an estimate that is profiled again with the new K/V placed.)
+        if (forwarded and r["status"] in ("ok", "crash") and (a is None or a.verdict != audit_mod.COMPLETE)
+                and not (may_place and not place["new_kv"] and r.get("cause") == profiler.NO_ESTIMATE)):
             forward_failed.set()
             forwarded = False
             r, a = attempt(forwarded)
@@ -545,13 +554,18 @@ def probe_config(*, builder: str, case: Case | str, bs: BlockSizes, tpu: str, mo
         ok = len(done) == len(plist) and all(d["result"]["status"] == "ok" for d in done)
         why = inconsistent_probes(case, bs, limits["page_size"], plist, [d["result"]["cycles"] for d in done],
                                   window, skip) if ok else []
-        # Probes whose cycles miss work their traces hold: when fast-forwarded, the whole
-        # config is profiled again without it.
-        if not (why and any(d["fast_forward"] for d in done)):
+        lost = [d for d in done if d["result"].get("cause") == profiler.NO_ESTIMATE]
+        if lost and may_place and not place["new_kv"]:
+            place.update(new_kv=True, first=lost[0])
+            failed.clear()
+        elif why and any(d["fast_forward"] for d in done):
+            # Probes whose cycles miss work their traces hold: when fast-forwarded, the
+            # whole config is profiled again without it.
+            forward_failed.set()
+        else:
             break
-        forward_failed.set()
         spent_before["compile_s"] += sum(d["compile_s"] for d in done)
-        spent_before["max_rss_bytes"] = max(d["max_rss_bytes"] for d in done)
+        spent_before["max_rss_bytes"] = max([spent_before["max_rss_bytes"]] + [d["max_rss_bytes"] for d in done])
     out["max_rss_bytes"] = max([spent_before["max_rss_bytes"]] + [d["max_rss_bytes"] for d in done])
     out["compile_s"] = spent_before["compile_s"] + sum(d["compile_s"] for d in done)
     out["probe_workers"] = workers
@@ -563,6 +577,15 @@ def probe_config(*, builder: str, case: Case | str, bs: BlockSizes, tpu: str, mo
         if r["status"] != "ok":
             failed_out = dict(r, probe=dict(q_lens=list(p.q_lens), kv_lens=list(p.kv_lens)),
                               compile_s=out["compile_s"], max_rss_bytes=out["max_rss_bytes"])
+            if place["first"] is not None:
+                # placed in VMEM it failed too: the verdict stays the first (a VMEM OOM or a
+                # compile error of the operand serving keeps in HBM is no verdict on the config)
+                first = place["first"]
+                failed_out = dict(first["result"], probe=dict(q_lens=list(first["probe"].q_lens),
+                                                              kv_lens=list(first["probe"].kv_lens)),
+                                  compile_s=out["compile_s"], max_rss_bytes=out["max_rss_bytes"],
+                                  message=f"{first['result'].get('message', '')}; profiled again with the new "
+                                          f"K/V operand in VMEM: {r['status']}: {r.get('message', '')[-300:]}")
             if use_cache and r.get("cause") in (profiler.MEMORY_CAP, profiler.LIBTPU_ABORT):
                 _write_cache(path, failed_out)
             return failed_out
@@ -575,6 +598,8 @@ def probe_config(*, builder: str, case: Case | str, bs: BlockSizes, tpu: str, mo
             floor)
     _judge(out, why)
     out["skip_dead_chunks"] = skip
+    if place["new_kv"]:
+        out["new_kv_placed"] = True
     out["model"] = m.to_json()
     if use_cache:
         _write_cache(path, out)

@@ -13,9 +13,16 @@ could estimate keep their cycles (``benchmarks/new_kv_placement.py``: 10 of 10 s
 recorded configs, to the cycle; ``tests/test_estimator.py``). v5e and v6e keep XLA's
 placement: the explicit one moved the q operand out of VMEM in a v5p prefill program of 8
 KV heads (43,830 -> 42,292 cycles), so their new estimates might not compare with recorded
-ones. Serving keeps the operand in HBM, so the estimates of every generation but TPU7x
-price the cache update as a VMEM -> HBM write and the new rows' reads as VMEM -> VMEM
-copies (``docs/estimator.md``).
+ones. Where the placement stays XLA's (v5e and v6e, and v5p prefill / mixed of more than
+2 KiB of K/V per token), a config whose kernel gets no estimate is profiled again with the
+operand in VMEM (``places_on_no_estimate``; XLA left it in HBM in 5 of the first 9 v5p
+Llama-3-8B prefill configs tried). Only configs that had no estimate change, so no recorded
+estimate does; a config's probes are all placed alike, but within a key the placed configs
+and the others may differ by what the placement moves (the 3.5 % above). If the placed
+config fails too (a VMEM OOM or a compile error from an operand serving keeps in HBM is no
+verdict on the config), the first crash stays its verdict. Serving keeps the operand in
+HBM, so the estimates of every generation but TPU7x price the cache update as a VMEM -> HBM
+write and the new rows' reads as VMEM -> VMEM copies (``docs/estimator.md``).
 """
 from __future__ import annotations
 
@@ -54,6 +61,15 @@ def places_new_kv(tpu: str, case: Case | str, model: ModelShape) -> bool:
         return True
     row_bytes = kv_bytes_per_token(model.num_kv_heads, model.head_dim, model.kv_dtype)
     return row_bytes * NEW_KV_MAX_ROWS <= tpu_info(gen).vmem_capacity_bytes * NEW_KV_VMEM_FRACTION
+
+
+def places_on_no_estimate(tpu: str, case: Case | str, model: ModelShape) -> bool:
+    """Whether a config whose kernel gets no estimate with the new K/V operand where XLA
+    puts it is profiled again with it in VMEM (``compose.probe_config``): on the
+    generations whose profiler prices an HBM -> HBM copy at 0 cycles, where
+    ``places_new_kv`` does not place it already (module doc)."""
+    from kernel.config import get_generation
+    return get_generation(tpu).name in NO_HBM_TO_HBM_PRICE and not places_new_kv(tpu, case, model)
 
 
 def lower(*, workload: dict, block_sizes, tpu: str, model: dict, limits: dict, case: str,

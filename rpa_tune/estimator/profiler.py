@@ -61,6 +61,9 @@ DEFAULT_HEURISTIC_RSS_CAP_GB = 8.0
 # cache keeps such verdicts: ``compose.probe_config``): the memory cap (``cap_bytes`` says
 # which), or a libtpu check failing on it.
 MEMORY_CAP, LIBTPU_ABORT = "memory_cap", "libtpu_abort"
+# The ``cause`` of a crash whose program compiled but whose kernel got no estimate (on
+# v5e / v5p / v6e, an HBM -> HBM copy in it: ``rpa_tune.estimator.ours``).
+NO_ESTIMATE = "no_estimate"
 CANCELLED = "cancelled"
 WARM_ENV = "RPA_TUNE_PROFILER_WARM"
 WARM_MAX_REQUESTS = 40
@@ -142,8 +145,9 @@ def _child(req: dict, source_hash: str | None = None) -> dict:
             stats = stats.add(parse_bundles(path))
     out.update(cycles=sum(cycles.values()), kernels=sorted(cycles), trace=stats.to_json())
     if not cycles or out["cycles"] <= 0:
-        out.update(status="crash", message=f"the static profiler gave no estimate for a kernel named "
-                                           f"{prefix}* (profiles: {sorted(parse_profiles(d))[:8]})")
+        out.update(status="crash", cause=NO_ESTIMATE,
+                   message=f"the static profiler gave no estimate for a kernel named {prefix}* "
+                           f"(profiles: {sorted(parse_profiles(d))[:8]})")
     return out
 
 

@@ -109,6 +109,8 @@ class CompileEvaluator(Evaluator):
                          f"{r['max_rss_bytes'] / 2**30:.1f} GB); time at {t['clock_hz'] / 1e9:.2f} GHz")
             if verdict != audit.COMPLETE:
                 notes.append("audit incomplete: " + "; ".join(reasons))
+            if r.get("new_kv_placed"):
+                notes.append("new K/V operand placed in VMEM (where XLA put it, the kernel got no estimate)")
             if r.get("notes"):
                 notes.append(f"read check on a bound in {len(r['notes'])} probes: " + r["notes"][0])
             return EvalResult(base.OK, self.method, metric=t["time_s"], cycles=float(cycles),
