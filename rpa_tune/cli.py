@@ -141,10 +141,8 @@ def sweep(
             max_num_seqs=max_num_seqs, max_model_len=max_model_len, workload=workload, num_seqs=num_seqs,
             context=context, chunk=chunk, num_chunks=num_chunks, seed=seed, backend=value(backend),
             search=value(search), budget=budget, patience=patience, refine=refine, seeds=seeds, jobs=jobs,
-            timeout=timeout,
-            results=results,
-            space=space, retry=[value(r) for r in retry], dry_run=dry_run, sliding_window=sliding_window,
-            kernel=value(kernel), soft_cap=soft_cap)
+            timeout=timeout, results=results, space=space, retry=[value(r) for r in retry], dry_run=dry_run,
+            sliding_window=sliding_window, kernel=value(kernel), soft_cap=soft_cap)
         if storage is not None:
             from .distributed import StorageError, parse_storage
             try:

@@ -474,10 +474,10 @@ def sibling_configs(spec: SweepSpec, ctx: SweepContext, recorded: dict) -> list[
             and r.get("max_num_tokens") != spec.key.max_num_tokens and _priced_alike(r, spec, ctx)]
     rows.sort(key=lambda r: r["metric"])
     if spec.seeds:
-        best: dict = {}
+        per_bucket: dict = {}
         for r in rows:
-            best.setdefault(r["max_num_tokens"], dict()).setdefault(row_block_sizes(r), None)
-        keep = {bs for per in best.values() for bs in list(per)[:spec.seeds]}
+            per_bucket.setdefault(r["max_num_tokens"], []).append(row_block_sizes(r))
+        keep = {bs for configs in per_bucket.values() for bs in list(dict.fromkeys(configs))[:spec.seeds]}
         rows = [r for r in rows if row_block_sizes(r) in keep]
     return list(dict.fromkeys(map(row_block_sizes, rows)))
 

@@ -50,7 +50,8 @@ while IFS=' ' read -r role line; do
   r=$REFINE
   [ "${args[3]}" = decode ] && b=$DECODE_BUDGET
   [ "$role" = fill ] && b=1 && r=0
-  echo "=== [$i/$n] $role: sweep $line --budget $b --refine $r --seeds $SEEDS ($(( ($(date +%s) - start) / 60 )) min so far)"
+  elapsed=$(( ($(date +%s) - start) / 60 ))
+  echo "=== [$i/$n] $role: sweep $line --budget $b --refine $r --seeds $SEEDS ($elapsed min so far)"
   $PY -m rpa_tune.cli sweep "${args[@]}" --backend compile --budget "$b" --refine "$r" --seeds "$SEEDS" \
     --jobs "$JOBS" --timeout "$TIMEOUT" --results "$RESULTS" </dev/null \
     || echo "sweep [$i/$n] failed (exit $?); continuing"
