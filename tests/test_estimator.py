@@ -521,26 +521,29 @@ def test_probes_of_a_config_compile_in_parallel_in_order_and_stop_after_a_failur
     assert len(calls) == 2 and cancelled == [calls[0]] and time_mod.monotonic() - t0 < 10
 
 
-@pytest.mark.parametrize("tpu,placed_ok", [("v5p", True), ("v5p", False), ("tpu7x", True)])
-def test_a_config_without_an_estimate_is_profiled_again_with_the_new_kv_in_vmem(monkeypatch, tmp_path, tpu,
-                                                                                 placed_ok):
+@pytest.mark.parametrize("tpu,placed", [("v5p", "ok"), ("v5p", "compile_error"), ("v5p", "vmem_oom"),
+                                         ("tpu7x", "ok")])
+def test_a_config_without_an_estimate_is_profiled_again_with_the_new_kv_in_vmem(monkeypatch, tmp_path, tpu, placed):
     """Where XLA leaves the new K/V in HBM the kernel gets no estimate: on the generations
     whose profiler prices that copy at 0 (v5p here, Llama-3-8B prefill, which
     ``places_new_kv`` leaves to XLA), every probe of the config is profiled again with it
-    placed, and with fast-forward (no retry without it first). If the placed one fails
-    too, the first crash is the verdict. TPU7x prices the copy: no second try."""
+    placed, and with fast-forward (no retry without it first). A VMEM OOM of the placed
+    config is its verdict (the compile evaluator retries it with more VMEM); another failure
+    leaves the first crash the verdict. TPU7x prices the copy: no second try."""
     from rpa_tune.estimator import ours
     calls = []
 
     def fake_profile(builder, req, *, fast_forward=False, **kw):
-        placed = bool(req.get("place_new_kv"))
-        calls.append((placed, fast_forward))
+        calls.append((bool(req.get("place_new_kv")), fast_forward))
         kv = sum(req["workload"]["kv_lens"])
-        if not placed and kv % 256:        # XLA's placement leaves some probes' operand in HBM
+        if not calls[-1][0] and kv % 256:  # XLA's placement leaves some probes' operand in HBM
             return {"status": "crash", "cause": profiler.NO_ESTIMATE, "cycles": 0, "trace": {},
                     "message": "the static profiler gave no estimate", "max_rss_bytes": 1}
-        if placed and not placed_ok:
+        if calls[-1][0] and placed == "compile_error":
             return {"status": "compile_error", "message": "Too many buffers are colored", "max_rss_bytes": 1}
+        if calls[-1][0] and placed == "vmem_oom":
+            return {"status": "vmem_oom", "message": "Used 68.31M of 63.94M vmem", "max_rss_bytes": 1,
+                    "vmem": {"kind": "capacity", "used_bytes": 68, "limit_bytes": 64}}
         return {"status": "ok", "cycles": 1000 + 3 * kv, "trace": {}, "max_rss_bytes": 1, "compile_s": 0.1,
                 "lower_s": 0.1}
 
@@ -551,13 +554,15 @@ def test_a_config_without_an_estimate_is_profiled_again_with_the_new_kv_in_vmem(
     r = compose.probe_config(builder=compose.OURS, case="prefill", bs=bs, tpu=tpu, model=dataclasses.asdict(LLAMA),
                              limits=dataclasses.asdict(LIM), use_cache=False)
     if tpu == "tpu7x":
-        assert r["status"] == "crash" and not any(placed for placed, _ in calls)
+        assert r["status"] == "crash" and not any(p for p, _ in calls)
         return
-    assert all(ff for placed, ff in calls if not placed)   # not retried without fast-forward first
-    placed = [c for c in calls if c[0]]
-    if placed_ok:
-        assert r["status"] == "ok" and r["new_kv_placed"] and len(placed) == len(plist)
+    assert all(ff for p, ff in calls if not p)             # not retried without fast-forward first
+    if placed == "ok":
+        assert r["status"] == "ok" and r["new_kv_placed"] and sum(p for p, _ in calls) == len(plist)
         assert [p["cycles"] for p in r["probes"]] == [1000 + 3 * sum(p.kv_lens) for p in plist]
+    elif placed == "vmem_oom":
+        assert r["status"] == "vmem_oom" and r["vmem"]["kind"] == "capacity"
+        assert r["message"].startswith("with the new K/V operand placed in VMEM")
     else:
         assert r["status"] == "crash" and r["cause"] == profiler.NO_ESTIMATE and sum(r["probe"]["kv_lens"]) % 256
         assert "with the new K/V operand in VMEM: compile_error: Too many buffers" in r["message"]

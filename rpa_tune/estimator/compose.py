@@ -577,15 +577,22 @@ def probe_config(*, builder: str, case: Case | str, bs: BlockSizes, tpu: str, mo
         if r["status"] != "ok":
             failed_out = dict(r, probe=dict(q_lens=list(p.q_lens), kv_lens=list(p.kv_lens)),
                               compile_s=out["compile_s"], max_rss_bytes=out["max_rss_bytes"])
-            if place["first"] is not None:
-                # placed in VMEM it failed too: the verdict stays the first (a VMEM OOM or a
-                # compile error of the operand serving keeps in HBM is no verdict on the config)
+            if place["first"] is not None and r["status"] == "vmem_oom":
+                # the compile evaluator retries a VMEM OOM at another limit, then with the
+                # VMEM size override where a plain compile fits (``evaluators.compile``)
+                failed_out["message"] = ("with the new K/V operand placed in VMEM (where XLA put it, no "
+                                         f"estimate): {r.get('message', '')}")
+            elif place["first"] is not None:
+                # placed in VMEM it failed otherwise: the verdict stays the first (a compile
+                # error from an operand serving keeps in HBM is no verdict on the config)
                 first = place["first"]
                 failed_out = dict(first["result"], probe=dict(q_lens=list(first["probe"].q_lens),
                                                               kv_lens=list(first["probe"].kv_lens)),
                                   compile_s=out["compile_s"], max_rss_bytes=out["max_rss_bytes"],
                                   message=f"{first['result'].get('message', '')}; profiled again with the new "
                                           f"K/V operand in VMEM: {r['status']}: {r.get('message', '')[-300:]}")
+                if r.get("cause") in (profiler.MEMORY_CAP, profiler.LIBTPU_ABORT):
+                    failed_out.update(cause=r["cause"], cap_bytes=r.get("cap_bytes"))   # (what the cache keeps)
             if use_cache and r.get("cause") in (profiler.MEMORY_CAP, profiler.LIBTPU_ABORT):
                 _write_cache(path, failed_out)
             return failed_out
