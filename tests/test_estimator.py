@@ -568,6 +568,22 @@ def test_a_config_without_an_estimate_is_profiled_again_with_the_new_kv_in_vmem(
         assert "with the new K/V operand in VMEM: compile_error: Too many buffers" in r["message"]
 
 
+@pytest.mark.slow
+def test_v5p_prefill_of_eight_kv_heads_is_estimated_with_the_new_kv_placed_where_xla_left_it(tmp_path,
+                                                                                           monkeypatch):
+    """(64, 1024, 32, 256) of Llama-3-8B's v5p prefill: left to XLA, the new K/V of some of
+    its probes is in HBM and the kernel gets no estimate; the config is composed from its
+    probes profiled again with the operand placed, every one audited complete."""
+    monkeypatch.setenv("RPA_TUNE_PROBE_CACHE", str(tmp_path))
+    limits = ServingLimits(page_size=128, max_num_tokens=128, max_num_seqs=128, max_model_len=8192)
+    r = compose.probe_config(builder=compose.OURS, case="prefill", bs=BlockSizes(64, 1024, 32, 256), tpu="v5p",
+                             model=dataclasses.asdict(LLAMA), limits=dataclasses.asdict(limits),
+                             options=dict(vmem_limit_bytes=32 << 20), timeout=3000, use_cache=False, workers=2)
+    assert r["status"] == "ok", r.get("message")
+    assert r["new_kv_placed"] and r["audit"] == audit.COMPLETE, r["reasons"]
+    assert all(p["cycles"] > 0 for p in r["probes"])
+
+
 def test_every_probe_fits_the_limits_it_is_compiled_with(monkeypatch, tmp_path):
     """Decode (1, 4096, 1, 512) at max_model_len 6144: its two-step probes hold 8192 tokens;
     each probe is compiled with limits that admit it (the profiler child refused them)."""
