@@ -528,7 +528,7 @@ def test_a_config_without_an_estimate_is_profiled_again_with_the_new_kv_in_vmem(
     whose profiler prices that copy at 0 (v5p here, Llama-3-8B prefill, which
     ``places_new_kv`` leaves to XLA), every probe of the config is profiled again with it
     placed, and with fast-forward (no retry without it first). A VMEM OOM of the placed
-    config is its verdict (the compile evaluator retries it with more VMEM); another failure
+    config is its verdict (the compile evaluator retries it at another limit); another failure
     leaves the first crash the verdict. TPU7x prices the copy: no second try."""
     from rpa_tune.estimator import ours
     calls = []
