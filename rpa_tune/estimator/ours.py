@@ -18,11 +18,14 @@ ones. Where the placement stays XLA's (v5e and v6e, and v5p prefill / mixed of m
 operand in VMEM (``places_on_no_estimate``; XLA left it in HBM in 5 of the first 9 v5p
 Llama-3-8B prefill configs tried). Only configs that had no estimate change, so no recorded
 estimate does; a config's probes are all placed alike, but within a key the placed configs
-and the others may differ by what the placement moves (the 3.5 % above). If the placed
-config fails too (a VMEM OOM or a compile error from an operand serving keeps in HBM is no
-verdict on the config), the first crash stays its verdict. Serving keeps the operand in
-HBM, so the estimates of every generation but TPU7x price the cache update as a VMEM -> HBM
-write and the new rows' reads as VMEM -> VMEM copies (``docs/estimator.md``).
+and the others may differ by what the placement moves (the 3.5 % above; the two configs
+XLA priced in the v5p Llama-3-8B page-128 prefill sweep kept their cycles placed). A placed
+config that runs out of VMEM has that verdict (the compile evaluator retries it at another
+limit, as any profiled compile); any other failure leaves the first crash its verdict (a
+compile error from an operand serving keeps in HBM says nothing about the config). Serving
+keeps the operand in HBM, so the estimates of every generation but TPU7x price the cache
+update as a VMEM -> HBM write and the new rows' reads as VMEM -> VMEM copies
+(``docs/estimator.md``).
 """
 from __future__ import annotations
 
