@@ -534,14 +534,15 @@ def test_a_config_without_an_estimate_is_profiled_again_with_the_new_kv_in_vmem(
     calls = []
 
     def fake_profile(builder, req, *, fast_forward=False, **kw):
-        calls.append((bool(req.get("place_new_kv")), fast_forward))
+        in_vmem = bool(req.get("place_new_kv"))
+        calls.append((in_vmem, fast_forward))
         kv = sum(req["workload"]["kv_lens"])
-        if not calls[-1][0] and kv % 256:  # XLA's placement leaves some probes' operand in HBM
+        if not in_vmem and kv % 256:       # XLA's placement leaves some probes' operand in HBM
             return {"status": "crash", "cause": profiler.NO_ESTIMATE, "cycles": 0, "trace": {},
                     "message": "the static profiler gave no estimate", "max_rss_bytes": 1}
-        if calls[-1][0] and placed == "compile_error":
+        if in_vmem and placed == "compile_error":
             return {"status": "compile_error", "message": "Too many buffers are colored", "max_rss_bytes": 1}
-        if calls[-1][0] and placed == "vmem_oom":
+        if in_vmem and placed == "vmem_oom":
             return {"status": "vmem_oom", "message": "Used 68.31M of 63.94M vmem", "max_rss_bytes": 1,
                     "vmem": {"kind": "capacity", "used_bytes": 68, "limit_bytes": 64}}
         return {"status": "ok", "cycles": 1000 + 3 * kv, "trace": {}, "max_rss_bytes": 1, "compile_s": 0.1,

@@ -480,8 +480,9 @@ def probe_config(*, builder: str, case: Case | str, bs: BlockSizes, tpu: str, mo
     from . import ours
     # Where XLA leaves our kernel's new K/V operand in HBM, the kernel gets no estimate
     # (``ours.places_on_no_estimate``): the config's probes are profiled again with it in VMEM.
-    place = {"new_kv": False, "first": None}
+    # ``lost``: the probe that first got no estimate, set when the probes are placed (``run`` reads it).
     may_place = builder == OURS and ours.places_on_no_estimate(tpu, case, shape)
+    lost = None
     deadline = None if timeout is None else time.monotonic() + timeout
     out = {"status": "ok", "probes": [], "audit": audit_mod.COMPLETE, "reasons": [], "compile_s": 0.0,
            "max_rss_bytes": 0}
@@ -497,7 +498,7 @@ def probe_config(*, builder: str, case: Case | str, bs: BlockSizes, tpu: str, mo
         for k in ("builder", "bs", "profiler", "walk_new", "public_audit", "libtpu_args", "partial_probe",
                   "mixed_warm_up"):
             req.pop(k, None)
-        if place["new_kv"]:
+        if lost is not None:
             req["place_new_kv"] = True
         # A decode probe of two full steps is longer than a key's max_model_len when bkv is
         # half of it (bkv 4096 at 8K): the probe's limits admit it. max_model_len only sizes
@@ -529,7 +530,7 @@ def probe_config(*, builder: str, case: Case | str, bs: BlockSizes, tpu: str, mo
         # probes not started yet, whose programs have the same loops.
         # (Not one without an estimate that is profiled again with the new K/V placed.)
         if (forwarded and r["status"] in ("ok", "crash") and (a is None or a.verdict != audit_mod.COMPLETE)
-                and not (may_place and not place["new_kv"] and r.get("cause") == profiler.NO_ESTIMATE)):
+                and not (may_place and lost is None and r.get("cause") == profiler.NO_ESTIMATE)):
             forward_failed.set()
             forwarded = False
             r, a = attempt(forwarded)
@@ -554,9 +555,9 @@ def probe_config(*, builder: str, case: Case | str, bs: BlockSizes, tpu: str, mo
         ok = len(done) == len(plist) and all(d["result"]["status"] == "ok" for d in done)
         why = inconsistent_probes(case, bs, limits["page_size"], plist, [d["result"]["cycles"] for d in done],
                                   window, skip) if ok else []
-        lost = [d for d in done if d["result"].get("cause") == profiler.NO_ESTIMATE]
-        if lost and may_place and not place["new_kv"]:
-            place.update(new_kv=True, first=lost[0])
+        no_estimate = [d for d in done if d["result"].get("cause") == profiler.NO_ESTIMATE]
+        if no_estimate and may_place and lost is None:
+            lost = no_estimate[0]
             failed.clear()
         elif why and any(d["fast_forward"] for d in done):
             # Probes whose cycles miss work their traces hold: when fast-forwarded, the
@@ -572,25 +573,27 @@ def probe_config(*, builder: str, case: Case | str, bs: BlockSizes, tpu: str, mo
     # at most ``workers`` children live at once: the sum of the largest peaks bounds the
     # config's memory
     out["concurrent_rss_bytes"] = sum(sorted((d["max_rss_bytes"] for d in done), reverse=True)[:workers])
+
+    def failure(d: dict, **fields) -> dict:
+        p = d["probe"]
+        return dict(d["result"], probe=dict(q_lens=list(p.q_lens), kv_lens=list(p.kv_lens)),
+                    compile_s=out["compile_s"], max_rss_bytes=out["max_rss_bytes"], **fields)
+
     for d in done:
         p, r, a = d["probe"], d["result"], d["audit"]
         if r["status"] != "ok":
-            failed_out = dict(r, probe=dict(q_lens=list(p.q_lens), kv_lens=list(p.kv_lens)),
-                              compile_s=out["compile_s"], max_rss_bytes=out["max_rss_bytes"])
-            if place["first"] is not None and r["status"] == "vmem_oom":
+            failed_out = failure(d)
+            if lost is not None and r["status"] == "vmem_oom":
                 # the compile evaluator retries a VMEM OOM at another limit, then with the
                 # VMEM size override where a plain compile fits (``evaluators.compile``)
                 failed_out["message"] = ("with the new K/V operand placed in VMEM (where XLA put it, no "
                                          f"estimate): {r.get('message', '')}")
-            elif place["first"] is not None:
+            elif lost is not None:
                 # placed in VMEM it failed otherwise: the verdict stays the first (a compile
                 # error from an operand serving keeps in HBM is no verdict on the config)
-                first = place["first"]
-                failed_out = dict(first["result"], probe=dict(q_lens=list(first["probe"].q_lens),
-                                                              kv_lens=list(first["probe"].kv_lens)),
-                                  compile_s=out["compile_s"], max_rss_bytes=out["max_rss_bytes"],
-                                  message=f"{first['result'].get('message', '')}; profiled again with the new "
-                                          f"K/V operand in VMEM: {r['status']}: {r.get('message', '')[-300:]}")
+                failed_out = failure(lost, message=f"{lost['result'].get('message', '')}; profiled again with "
+                                                   f"the new K/V operand in VMEM: {r['status']}: "
+                                                   f"{r.get('message', '')[-300:]}")
                 if r.get("cause") in (profiler.MEMORY_CAP, profiler.LIBTPU_ABORT):
                     failed_out.update(cause=r["cause"], cap_bytes=r.get("cap_bytes"))   # (what the cache keeps)
             if use_cache and r.get("cause") in (profiler.MEMORY_CAP, profiler.LIBTPU_ABORT):
@@ -605,7 +608,7 @@ def probe_config(*, builder: str, case: Case | str, bs: BlockSizes, tpu: str, mo
             floor)
     _judge(out, why)
     out["skip_dead_chunks"] = skip
-    if place["new_kv"]:
+    if lost is not None:
         out["new_kv_placed"] = True
     out["model"] = m.to_json()
     if use_cache:
