@@ -438,7 +438,7 @@ def _gain_text(g: Group) -> str:
 
 
 CSS = """
-body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:24px auto;max-width:1300px;
+body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:24px auto;max-width:1500px;
      padding:0 16px;color:#1d1d1f;line-height:1.4}
 h1{font-size:1.6em;margin-bottom:.2em} h2{margin-top:1.6em;border-bottom:1px solid #ddd;padding-bottom:.2em}
 h3{font-size:1.05em;margin:0 0 .4em;word-break:break-all}
@@ -446,7 +446,8 @@ h3{font-size:1.05em;margin:0 0 .4em;word-break:break-all}
 table{border-collapse:collapse;font-size:13px}
 th,td{border:1px solid #d6d6d6;padding:3px 7px;text-align:left;vertical-align:top}
 th{background:#f3f3f3}
-table.cov td.c{text-align:center;min-width:72px;white-space:nowrap}
+table.cov{font-size:12px} table.cov td.c{text-align:center;min-width:44px;padding:3px 4px}
+.wide{overflow-x:auto}
 td.tuned{background:#c8ecc9} td.not-promoted{background:#fde3a7} td.stale{background:#f6c6c6} td.missing{background:#f1f1f1;color:#999} td.needs-a-device{background:#dde4f0;color:#556}
 td.c a{color:inherit}
 .key{border:1px solid #ddd;border-radius:6px;padding:12px;margin:18px 0;background:#fcfcfc}
@@ -511,7 +512,8 @@ def _render_coverage(add, cov: Coverage) -> None:
     if not cov.buckets:
         add("<p>No keys in the results or tables.</p>")
         return
-    add("<table class=\"cov\"><thead><tr><th rowspan=\"2\">generation</th><th rowspan=\"2\">model shape</th>")
+    add("<div class=\"wide\"><table class=\"cov\"><thead><tr>"
+        "<th rowspan=\"2\">generation</th><th rowspan=\"2\">model shape</th>")
     for c in cov.cases:
         add(f"<th colspan=\"{len(cov.buckets)}\">{_e(c)}</th>")
     add("</tr><tr>")
@@ -543,7 +545,7 @@ def _render_coverage(add, cov: Coverage) -> None:
                     title = f" title=\"{_e(chr(10).join(cell.keys))}\"" if cell.keys else ""
                     add(f"<td class=\"c {cls}\"{title}>{text}</td>")
             add("</tr>")
-    add("</tbody></table>")
+    add("</tbody></table></div>")
     device = {}
     for (g, c), why in matrix.NEEDS_A_DEVICE_CASES.items():
         if g in cov.generations and c in cov.cases:
