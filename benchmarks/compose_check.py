@@ -134,9 +134,10 @@ def main() -> None:
                     print(f"{gen} {case.value}: recorded measurements of kernel source hash "
                           f"{hashes[case] if found else '(none with today probes)'}", flush=True)
             kh = hashes[case]
-            # (mixed probes with their warm-up, compose.mixed_warm_up, are recorded apart)
+            # (mixed probes with their warm-up, compose.mixed_warm_up, are recorded apart,
+            # (and our prefill probes with their long walk, compose.long_walk_probe)
             pkey = json.dumps([gen, "probes", case.value, list(bs)] + (["warm-up"] if case == Case.MIXED else [])
-                              + [kh])
+                              + (["long-walk"] if case == Case.PREFILL and kern.is_ours else []) + [kh])
             if case not in models and args.recorded:
                 rec = found and found[1]
                 models[case] = rec and compose.fit(case, bs, PAGE_SIZE, [

@@ -321,6 +321,15 @@ def select_key(key: TuningKey, rows: list[dict], kernel: str = "rpa-tune") -> Ke
         promoted = False
         decision = (f"not promoted: {key.generation} {key.case} estimates are refused ({device}); "
                     f"tune it on a device (rpa-tune sweep --backend tpu)")
+    if promoted and method == "estimate" and kernel == "rpa-tune" and gain is not None:
+        from .estimator.compose import composition_error
+        err = composition_error(key.case, best.bs, _str(best.rows[0].get("evaluator_version")))
+        need = 1.0 / (1.0 - err) - 1.0
+        if err and gain <= need:
+            promoted = False
+            decision = (f"not promoted: gain {gain:.2%}, but {key.case} estimates of bq {best.bs.bq} composed up to "
+                        f"{err:.0%} below whole compiles, so it must exceed {need:.2%} (benchmarks/README.md, "
+                        f"\"Small q blocks\")")
     rep = best.rows[0]
     prov = {k: None for k in PROVENANCE_FIELDS}
     for k in ("jax_version", "jaxlib_version", "libtpu_version", "git_sha", "search",

@@ -111,6 +111,24 @@ def test_estimate_margin(gain, promoted):
     assert tuple(e.block_sizes) == _other_bs(k, 0) and tuple(e.heuristic_block_sizes) == H(k)
 
 
+@pytest.mark.parametrize("case, bs, gain, promoted", [
+    ("prefill", (32, 256, 32, 128), 0.5, False),     # composed up to 46 % low: it must beat 85 %
+    ("prefill", (32, 256, 32, 128), 1.0, True),
+    ("prefill", (64, 512, 64, 256), 0.15, False),    # up to 15 % low: it must beat 17.6 %
+    ("prefill", (64, 512, 64, 256), 0.2, True),
+    ("prefill", (128, 1024, 64, 512), 0.05, True),   # bq 128 composed within 0.4 %: the plain margin
+    ("mixed", (32, 256, 32, 128), 0.05, True),       # mixed keeps the plain margin
+])
+def test_a_small_q_prefill_estimate_must_beat_the_heuristic_by_its_composition_error(case, bs, gain, promoted):
+    k = key("v6e", case, t=512)
+    assert H(k)[0] >= 128
+    (rep,) = _one([row(k, H(k), 1e-4), row(k, bs, 1e-4 / (1 + gain))])
+    e = rep.entry
+    assert tuple(e.block_sizes) == bs and e.promoted is promoted, e.decision
+    if not promoted:
+        assert "below whole compiles" in e.decision
+
+
 @pytest.mark.parametrize("gain, rel_spread, promoted", [
     (0.05, 0.03, False),    # margin 2 x 3% = 6% > 5%
     (0.07, 0.03, True),

@@ -404,8 +404,9 @@ def test_after_a_profiler_crash_the_plain_compile_takes_the_smallest_probe_not_t
 
 def test_a_sliding_window_estimate_is_audited_against_the_window_s_bytes(monkeypatch):
     """A window task's rate check bounds it by the keys its queries see: 8 decode sequences
-    of 2,000 tokens with a 64-token window read 64 keys each, not 2,000. An
-    estimate 1.05x that bound passes the audit (it is 30x faster than reading the whole
+    of 2,000 tokens with a 64-token window read 64 keys each, not 2,000, fetched as the one
+    128-token page that holds them (``audit.walk_bytes``: the kernel fetches whole pages). An
+    estimate 1.05x that bound passes the audit (it is 15x faster than reading the whole
     contexts, which the bound once asked for, so the audit refused every window config
     that beat the full-context bound; Gemma-2's window keys on v5p)."""
     import dataclasses
@@ -421,7 +422,8 @@ def test_a_sliding_window_estimate_is_audited_against_the_window_s_bytes(monkeyp
     # per sequence: the window's 64 keys read (63 cached, the new one from its input), the new
     # one written to the cache, its query read and output written
     window_bytes = 8 * ((64 + 1) * token + qo)
-    bound_s = window_bytes / tpu_info("v6e").mem_bw_bytes_per_second
+    # the 63 cached keys (positions 1936-1998) lie in one page, 1920-2047, fetched whole
+    bound_s = (window_bytes + 8 * (128 - 63) * token) / tpu_info("v6e").mem_bw_bytes_per_second
     cycles = 1.05 * bound_s * calibration("v6e").clock_hz
     monkeypatch.setattr(compose, "probe_config", lambda **kw: {
         "status": "ok", "model": None, "probes": [{}], "audit": "complete", "reasons": [], "max_rss_bytes": 1 << 30})

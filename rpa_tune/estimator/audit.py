@@ -55,6 +55,23 @@ def token_bytes(model: ModelShape) -> int:
     return 2 * model.num_kv_heads * round_up(model.head_dim, 128) * np.dtype(model.kv_dtype).itemsize
 
 
+def walk_bytes(workload: Workload, model: ModelShape, case: Case | str, bs, page_size: int, *,
+               sliding_window: int | None) -> int:
+    """Cached K/V bytes our kernel's walk fetches from HBM for ``workload``'s ``case``
+    sequences: every cached page of every KV step of every q block (``kernel.steps.plan``).
+    A q block fetches its context again, so a small ``bq`` reads the cache many times over;
+    ``needed`` counts it once."""
+    from kernel.config import BlockSizes
+    from kernel.steps import plan
+    case = Case.parse(case)
+    lo, hi = workload.case_range(case)
+    pages = 0
+    for q, kv in zip(workload.q_lens[lo:hi], workload.kv_lens[lo:hi]):
+        for steps in plan(case, BlockSizes(*bs), page_size, q, kv, sliding_window):
+            pages += sum(st.pages for st in steps if st.cached)
+    return pages * page_size * token_bytes(model)
+
+
 def page_bytes(page_size: int, model: ModelShape) -> int:
     """The most one run-time-sized page DMA of tpu-inference's RPA v3 moves: one page of
     merged K/V (``audit_trace``'s ``page_bytes`` for that kernel; module doc)."""
@@ -141,19 +158,25 @@ def max_mxu_utilization(head_dim: int, cal) -> float:
 
 
 def time_model(cycles: float, workload: Workload, model: ModelShape, generation: str, case=None, *,
-               sliding_window: int | None, cal=None) -> dict:
+               sliding_window: int | None, cal=None, walk: int | None = None) -> dict:
     """Time from cycles at the calibrated clock, the roofline bounds, which is active, MBU,
     MFU as the RPA paper defines it (against the bf16 peak times ``max_mxu_utilization``;
     ``mfu_of_peak``: against the plain peak), and the rate check. The FLOPs are the visible
     pairs' (``kernel.metrics.flops``); the paper's causal count also takes the masked part
-    of the diagonal's compute blocks, so this MFU is the stricter one."""
+    of the diagonal's compute blocks, so this MFU is the stricter one.
+
+    ``walk``: the cached K/V bytes the config's own walk fetches (``walk_bytes``; our
+    kernel). The memory bound then counts them in place of the cached context read once:
+    the paper's bytes are what any kernel must move, the walk's what this config does move,
+    and no estimate of it can beat them at the HBM peak. MBU stays against the paper's."""
     from kernel.hardware import tpu_info
     from .calibration import calibration
     cal = cal or calibration(generation)
     info = tpu_info(generation)
     need = needed(workload, model, case, sliding_window=sliding_window)
     est_s = cycles / cal.clock_hz
-    mem_s = need.hbm_bytes / info.mem_bw_bytes_per_second
+    moved = need.hbm_bytes + max(0, (walk or 0) - need.kv_read_bytes)
+    mem_s = moved / info.mem_bw_bytes_per_second
     cmp_s = need.flops / achievable_mxu_flops(generation, model.head_dim, cal)
     time_s = max(est_s, mem_s, cmp_s)
     mfu_of_peak = need.flops / time_s / info.bf16_ops_per_second if time_s else 0.0
@@ -166,4 +189,6 @@ def time_model(cycles: float, workload: Workload, model: ModelShape, generation:
                 clock_hz=cal.clock_hz, clock_source=cal.clock_source, rate_ok=rate_ok,
                 rate_note="" if rate_ok else (
                     f"cycles imply {max(mem_s, cmp_s) / est_s:.2f}x the "
-                    f"{'HBM' if mem_s >= cmp_s else 'MXU'} peak: work missing or under-charged"))
+                    f"{'MXU' if cmp_s > mem_s else 'HBM'} peak"
+                    f"{' for the cached K/V its walk fetches' if walk and cmp_s <= mem_s else ''}"
+                    ": work missing or under-charged"))

@@ -10,7 +10,9 @@ their cycles and price any workload from the kernel's own walk over it (``kernel
   page; ``case_features``), fitted by least squares; the probes' differences isolate each
   item, so pipeline fill cancels. Our mixed probes start with two warm-up sequences
   (``mixed_warm_up``): a mixed batch holds many sequences, and a batch's first two cost
-  less than the rest;
+  less than the rest. Our prefill probes end with a long KV walk (``long_walk_probe``),
+  which prices what a KV step waiting on its page DMAs costs beyond its items, per
+  pipelined page;
 * decode: a two-stage pipeline (``pipeline_cycles``: each KV step's page DMAs overlap the
   previous step's compute), seven costs fitted to eight probes of 4-8 sequences. Where HBM
   is the bound (v5e, TPU7x) a step costs its DMA or its compute, whichever is larger, which
@@ -33,7 +35,7 @@ import threading
 import numpy as np
 
 from kernel.config import BlockSizes, Case, cdiv, round_up
-from kernel.steps import FEATURES, decode_steps, features
+from kernel.steps import FEATURES, decode_steps, features, plan
 from kernel.workload import Workload
 
 
@@ -47,7 +49,7 @@ class Probe:
 
 
 def probes(case: Case | str, bs: BlockSizes, page_size: int, skip_dead_chunks: bool = True,
-           warm_up: bool = True) -> list[Probe]:
+           warm_up: bool = True, long_walk: bool = True) -> list[Probe]:
     """The probe workloads of one config. Decode: eight batches of 4-8 sequences, or of
     4-8 groups of ``bq`` sequences (one page, a part step, three pages, one full step, two
     full steps), enough steps for the pipeline
@@ -55,7 +57,8 @@ def probes(case: Case | str, bs: BlockSizes, page_size: int, skip_dead_chunks: b
     DMAs (``pipeline_cycles``); their KV lengths end on step boundaries, the new token
     included (both kernels attend to it in their last step, ``pipeline_steps``). Prefill /
     mixed: at most three sequences, two q blocks. Mixed with ``warm_up`` (our kernel):
-    each probe after the two ``mixed_warm_up`` sequences, no two like sequences in a row."""
+    each probe after the two ``mixed_warm_up`` sequences, no two like sequences in a row.
+    Prefill with ``long_walk`` (our kernel): last, ``long_walk_probe``."""
     case = Case.parse(case)
     bq, bkv, _, ckv = bs
     P = page_size
@@ -90,7 +93,37 @@ def probes(case: Case | str, bs: BlockSizes, page_size: int, skip_dead_chunks: b
         # 2,860 after another sequence (v5e, Llama-3-70B TP8, (16, 1024, 8, 1024))
         shapes = [_unlike_in_a_row(mixed_warm_up(P) + s) for s in shapes]
         shapes = [s for i, s in enumerate(shapes) if s not in shapes[:i]]   # ckv == bkv: 3rd is 7th
-    return [Probe(*zip(*s)) for s in shapes]
+    out = [Probe(*zip(*s)) for s in shapes]
+    if case == Case.PREFILL and long_walk:
+        out.append(long_walk_probe(bs))
+    return out
+
+
+def long_walk_probe(bs: BlockSizes) -> Probe:
+    """One q block after four KV steps of cached context (two or three for a ``bkv`` over
+    1024): a walk long enough that each KV step waits on its page DMAs where they take
+    longer than its compute, as in serving. The other probes walk one to three steps, where
+    that wait never shows, and priced prefill of bq 32 26-46 % low against whole compiles
+    (benchmarks/README.md, "Small q blocks"); ``fit`` prices the wait per pipelined page."""
+    n = max(2, min(4, 4096 // bs.bkv))
+    return Probe((bs.bq,), (bs.bq + n * bs.bkv,))
+
+
+def pipelined_pages(case: Case | str, bs: BlockSizes, page_size: int, workload: Workload,
+                    sliding_window=None) -> int:
+    """Cached pages fetched while an earlier KV step computes: every cached page of the
+    call's walk (``kernel.steps.plan``, sequences in order) but its first cached step's."""
+    case = Case.parse(case)
+    lo, hi = workload.case_range(case)
+    n, first = 0, True
+    for q, kv in zip(workload.q_lens[lo:hi], workload.kv_lens[lo:hi]):
+        for steps in plan(case, bs, page_size, q, kv, sliding_window):
+            for st in steps:
+                if st.cached:
+                    if not first:
+                        n += st.pages
+                    first = False
+    return n
 
 
 def _unlike_in_a_row(seqs: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -130,6 +163,33 @@ def smallest_probe(case: Case | str, bs: BlockSizes, page_size: int, skip_dead_c
     program of the config, which a plain compile needs for the VMEM verdict only (the
     kernel's VMEM depends on the block sizes and the model, not on the workload)."""
     return min(probes(case, bs, page_size, skip_dead_chunks), key=lambda p: (sum(p.kv_lens), sum(p.q_lens)))
+
+
+# Prefill compositions without ``long_walk_probe`` (compile evaluator versions before 7)
+# against whole compiles of the same workloads (one 128- or 256-token chunk after 1-2K
+# cached tokens; benchmarks/README.md, "Small q blocks"): a bq of 128 or more composed within
+# 0.4 % on v5e, v5p and v6e, bq 64 up to 15 % low, bq 32 26-46 % low. A small q block's KV
+# steps wait on their page DMAs in a long walk, which those probes' one to three steps never
+# show, so they price such a step at its compute. The worst seen, by bq:
+PREFILL_UNDERPRICED = ((32, 0.46), (64, 0.15))     # bq at most, fraction low (bq >= 128: none)
+
+
+PREFILL_LONG_WALK_VERSION = 7     # the compile evaluator's prefill version since ``long_walk_probe``
+
+
+def composition_error(case: Case | str, bs: BlockSizes, evaluator_version: str | None = None) -> float:
+    """The most a config's composed estimate (recorded by ``evaluator_version``, e.g.
+    "compile-5") has been measured below whole compiles, as a fraction
+    (``PREFILL_UNDERPRICED``; 0 where none was, and for prefill priced with the long-walk
+    probe). Its true estimate is then up to ``1 / (1 - error)`` times the composed one:
+    ``rpa-tune export`` promotes such a config only if it beats the heuristic (composed
+    within 0.4 %) even so."""
+    if Case.parse(case) != Case.PREFILL:
+        return 0.0
+    ver = str(evaluator_version or "")
+    if ver.startswith("compile-") and ver[8:].isdigit() and int(ver[8:]) >= PREFILL_LONG_WALK_VERSION:
+        return 0.0
+    return next((e for bq, e in PREFILL_UNDERPRICED if bs.bq <= bq), 0.0)
 
 
 PROBE_MIN_TOKENS = 2048   # the token bucket probes are compiled at, unless one needs more
@@ -277,6 +337,7 @@ class CostModel:
     skip_dead_chunks: bool = True   # the generation's kernel skips dead prefill / mixed chunks
     walk_new: bool = False          # decode: the KV walk covers the new token (pipeline_steps)
     page_floor: float = 0.0         # decode: cycles a page's DMA takes at least (dma_page_floor)
+    page_pipelined: float = 0.0     # prefill: cycles a pipelined cached page waits (pipelined_pages)
 
     def cycles(self, workload: Workload) -> float:
         if self.kind == "pipeline":
@@ -284,9 +345,11 @@ class CostModel:
             steps = pipeline_steps(BlockSizes(*self.block_sizes), self.page_size, workload.kv_lens[lo:hi],
                                    self.sliding_window, self.walk_new)
             return pipeline_cycles(self.coef, steps, self.page_floor)
-        x = design(self.case, BlockSizes(*self.block_sizes), self.page_size, [workload], self.sliding_window,
-                   self.skip_dead_chunks)[0]
-        return float(x @ np.asarray(self.coef))
+        bs = BlockSizes(*self.block_sizes)
+        x = design(self.case, bs, self.page_size, [workload], self.sliding_window, self.skip_dead_chunks)[0]
+        wait = (self.page_pipelined * pipelined_pages(self.case, bs, self.page_size, workload, self.sliding_window)
+                if self.page_pipelined else 0.0)
+        return float(x @ np.asarray(self.coef)) + wait
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -308,6 +371,16 @@ def fit(case: Case | str, bs: BlockSizes, page_size: int, probe_list: list[Probe
         return CostModel(case.value, tuple(bs), page_size, tuple(float(c) for c in coef),
                          tuple(float(c) for c in cycles), float(resid.max()), sliding_window, "pipeline",
                          walk_new=walk_new, page_floor=float(page_floor))
+    if case == Case.PREFILL and len(probe_list) > 1 and probe_list[-1] == long_walk_probe(bs):
+        # the short probes' items first; then what the long walk costs beyond them, per
+        # pipelined page (never less than nothing: a compute-bound walk waits on no DMA)
+        base = fit(case, bs, page_size, probe_list[:-1], cycles[:-1], sliding_window, skip_dead_chunks)
+        lw, y = probe_list[-1].workload(case), float(cycles[-1])
+        n = pipelined_pages(case, bs, page_size, lw, sliding_window)
+        wait = max(0.0, (y - base.cycles(lw)) / n) if n else 0.0
+        err = abs(base.cycles(lw) + wait * n - y) / y
+        return dataclasses.replace(base, probe_cycles=tuple(float(c) for c in cycles),
+                                   probe_fit_error=max(base.probe_fit_error, err), page_pipelined=wait)
     X = design(case, bs, page_size, [p.workload(case) for p in probe_list], sliding_window, skip_dead_chunks)
     y = np.asarray(cycles, dtype=np.float64)
     coef, *_ = np.linalg.lstsq(X, y, rcond=None)
@@ -416,7 +489,7 @@ def probe_config(*, builder: str, case: Case | str, bs: BlockSizes, tpu: str, mo
     skip = get_generation(tpu).skip_dead_chunks if builder == OURS else True
     # the mixed probes' warm-up (``mixed_warm_up``) is checked against our kernel's whole compiles
     warm = builder == OURS
-    plist = probes(case, bs, limits["page_size"], skip, warm)
+    plist = probes(case, bs, limits["page_size"], skip, warm, long_walk=builder == OURS)
     # one program per config for every token bucket (module doc)
     limits = dict(limits, max_num_tokens=probe_tokens(plist))
     doc = dict(builder=builder, case=case.value, bs=list(bs), tpu=tpu, model=model, limits=limits,
@@ -436,6 +509,8 @@ def probe_config(*, builder: str, case: Case | str, bs: BlockSizes, tpu: str, mo
         doc["libtpu_args"] = extra_libtpu_args
     if case == Case.MIXED and warm:
         doc["mixed_warm_up"] = True             # (decode and prefill keep their probes and cache keys)
+    if case == Case.PREFILL and builder == OURS:
+        doc["long_walk"] = True                 # (``long_walk_probe``; the public kernel's are unchanged)
     walk_new = builder != OURS and case == Case.DECODE      # its decode probes differ (pipeline_steps)
     if builder != OURS:
         # its probes' audit counts run-time-sized page DMAs at one page (audit doc), and its
@@ -496,7 +571,7 @@ def probe_config(*, builder: str, case: Case | str, bs: BlockSizes, tpu: str, mo
         req = dict(doc, workload=dict(q_lens=list(w.q_lens), kv_lens=list(w.kv_lens),
                                       distribution=list(w.distribution)), block_sizes=list(bs))
         for k in ("builder", "bs", "profiler", "walk_new", "public_audit", "libtpu_args", "partial_probe",
-                  "mixed_warm_up"):
+                  "mixed_warm_up", "long_walk"):
             req.pop(k, None)
         if lost is not None:
             req["place_new_kv"] = True

@@ -46,9 +46,11 @@ class CompileEvaluator(Evaluator):
     method = "estimate"
     version = "5"     # 4: decode probes price a partial last chunk when ckv == page_size;
     #                   5: decode prices a page's DMA at no less than its bytes at the HBM peak
-    case_versions = {"mixed": "6"}   # 6: our mixed probes start with two warm-up sequences
+    case_versions = {"mixed": "6",   # 6: our mixed probes start with two warm-up sequences
     #                                  (rpa_tune.estimator.compose.mixed_warm_up); the public
     #                                  kernel's are unchanged, so its mixed rows re-price alike
+                     "prefill": "7"}  # 7: our prefill probes end with a long KV walk
+    #                                  (compose.long_walk_probe, PREFILL_LONG_WALK_VERSION)
 
     def __init__(self, *, profile: bool = True):
         self.profile = profile   # False: VMEM verdict only (plain compile, no estimate)
@@ -100,8 +102,10 @@ class CompileEvaluator(Evaluator):
             from kernel.workload import ModelShape
             from rpa_tune.estimator import audit, compose
             cycles = compose.model_from_json(r["model"]).cycles(task.workload)
+            walk = (audit.walk_bytes(task.workload, task.model, task.case, task.bs, task.limits.page_size,
+                                     sliding_window=task.sliding_window) if kern.is_ours else None)
             t = audit.time_model(cycles, task.workload, task.model, task.generation, task.case,
-                                 sliding_window=task.sliding_window)
+                                 sliding_window=task.sliding_window, walk=walk)
             verdict, reasons = r["audit"], list(r["reasons"])
             if not t["rate_ok"]:
                 verdict, reasons = audit.INCOMPLETE, reasons + [t["rate_note"]]
