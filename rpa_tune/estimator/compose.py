@@ -170,8 +170,9 @@ def smallest_probe(case: Case | str, bs: BlockSizes, page_size: int, skip_dead_c
 # cached tokens; benchmarks/README.md, "Small q blocks"): a bq of 128 or more composed within
 # 0.4 % on v5e, v5p and v6e, bq 64 up to 15 % low, bq 32 26-46 % low. A small q block's KV
 # steps wait on their page DMAs in a long walk, which those probes' one to three steps never
-# show, so they price such a step at its compute. The worst seen, by bq:
-PREFILL_UNDERPRICED = ((32, 0.46), (64, 0.15))     # bq at most, fraction low (bq >= 128: none)
+# show, so they price such a step at its compute. Re-priced with it, two v5p keys' configs
+# rose up to 1.90x (bq 32) and 1.22x (bq 64), bq 128 at most 1.005x. The worst seen, by bq:
+PREFILL_UNDERPRICED = ((32, 0.48), (64, 0.18))     # bq at most, fraction low (bq >= 128: none)
 
 
 PREFILL_LONG_WALK_VERSION = 7     # the compile evaluator's prefill version since ``long_walk_probe``
