@@ -61,15 +61,19 @@ def walk_bytes(workload: Workload, model: ModelShape, case: Case | str, bs, page
     sequences: every cached page of every KV step of every q block (``kernel.steps.plan``).
     A q block fetches its context again, so a small ``bq`` reads the cache many times over;
     ``needed`` counts it once."""
+    return sum(cached_step_pages(workload, case, bs, page_size, sliding_window)) * page_size * token_bytes(model)
+
+
+def cached_step_pages(workload: Workload, case: Case | str, bs, page_size: int, sliding_window=None) -> list[int]:
+    """The pages of each cached KV step of our kernel's walk over ``workload``'s ``case``
+    sequences, in kernel order (``kernel.steps.plan``; sequences in order)."""
     from kernel.config import BlockSizes
     from kernel.steps import plan
     case = Case.parse(case)
     lo, hi = workload.case_range(case)
-    pages = 0
-    for q, kv in zip(workload.q_lens[lo:hi], workload.kv_lens[lo:hi]):
-        for steps in plan(case, BlockSizes(*bs), page_size, q, kv, sliding_window):
-            pages += sum(st.pages for st in steps if st.cached)
-    return pages * page_size * token_bytes(model)
+    return [st.pages for q, kv in zip(workload.q_lens[lo:hi], workload.kv_lens[lo:hi])
+            for steps in plan(case, BlockSizes(*bs), page_size, q, kv, sliding_window)
+            for st in steps if st.cached]
 
 
 def page_bytes(page_size: int, model: ModelShape) -> int:

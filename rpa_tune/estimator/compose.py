@@ -35,7 +35,7 @@ import threading
 import numpy as np
 
 from kernel.config import BlockSizes, Case, cdiv, round_up
-from kernel.steps import FEATURES, decode_steps, features, plan
+from kernel.steps import FEATURES, decode_steps, features
 from kernel.workload import Workload
 
 
@@ -112,18 +112,9 @@ def long_walk_probe(bs: BlockSizes) -> Probe:
 def pipelined_pages(case: Case | str, bs: BlockSizes, page_size: int, workload: Workload,
                     sliding_window=None) -> int:
     """Cached pages fetched while an earlier KV step computes: every cached page of the
-    call's walk (``kernel.steps.plan``, sequences in order) but its first cached step's."""
-    case = Case.parse(case)
-    lo, hi = workload.case_range(case)
-    n, first = 0, True
-    for q, kv in zip(workload.q_lens[lo:hi], workload.kv_lens[lo:hi]):
-        for steps in plan(case, bs, page_size, q, kv, sliding_window):
-            for st in steps:
-                if st.cached:
-                    if not first:
-                        n += st.pages
-                    first = False
-    return n
+    call's walk (``audit.cached_step_pages``) but its first cached step's."""
+    from .audit import cached_step_pages
+    return sum(cached_step_pages(workload, case, bs, page_size, sliding_window)[1:])
 
 
 def _unlike_in_a_row(seqs: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -377,9 +368,9 @@ def fit(case: Case | str, bs: BlockSizes, page_size: int, probe_list: list[Probe
         # pipelined page (never less than nothing: a compute-bound walk waits on no DMA)
         base = fit(case, bs, page_size, probe_list[:-1], cycles[:-1], sliding_window, skip_dead_chunks)
         lw, y = probe_list[-1].workload(case), float(cycles[-1])
-        n = pipelined_pages(case, bs, page_size, lw, sliding_window)
-        wait = max(0.0, (y - base.cycles(lw)) / n) if n else 0.0
-        err = abs(base.cycles(lw) + wait * n - y) / y
+        n, items = pipelined_pages(case, bs, page_size, lw, sliding_window), base.cycles(lw)
+        wait = max(0.0, (y - items) / n) if n else 0.0
+        err = abs(items + wait * n - y) / y
         return dataclasses.replace(base, probe_cycles=tuple(float(c) for c in cycles),
                                    probe_fit_error=max(base.probe_fit_error, err), page_pipelined=wait)
     X = design(case, bs, page_size, [p.workload(case) for p in probe_list], sliding_window, skip_dead_chunks)
