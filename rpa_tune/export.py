@@ -599,25 +599,12 @@ def compact_results(directory, name: str = "results.parquet") -> Path:
     """Merge every top-level ``*.parquet`` of a results directory (one file per evaluation,
     as ``rpa-tune sweep`` writes them) into ``name``, rows sorted, then remove the merged
     files. Rows are unchanged, so exports and sweep resumption see the same data."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-    from .store import read_results_table
+    from .store import read_results_table, replace_results
     d = Path(directory)
     files = sorted(p for p in d.glob("*.parquet") if p.is_file())
     if not files:
         raise FileNotFoundError(f"no Parquet files in {d}")
     got = read_results_table(files)
     bad = {Path(f) for f, _ in got.damaged}
-    files = [p for p in files if p not in bad]       # a damaged file is left in place, never deleted
-    t = got.table
-    order = [(c, "ascending") for c in ("key_id", "config_id", "timestamp") if c in t.column_names]
-    if order:
-        t = t.sort_by(order)
-    out = d / name
-    tmp = d / f".{name}.tmp"
-    pq.write_table(t, tmp, compression="zstd")
-    tmp.replace(out)
-    for p in files:
-        if p != out:
-            p.unlink()
-    return out
+    # a damaged file is left in place, never deleted
+    return replace_results(d, got.table, [p for p in files if p not in bad], name)

@@ -203,6 +203,27 @@ def read_results_table(paths) -> ResultsRead:
     return ResultsRead(table, files, damaged)
 
 
+def replace_results(directory, table: pa.Table, merged, name: str = "results.parquet") -> Path:
+    """Write ``table`` (rows sorted by key, config and time) as ``directory/name`` through a
+    temporary file and an atomic rename, then remove the ``merged`` files it replaces. The
+    one rewrite of a results directory (``export.compact_results``, ``estimator.rejudge``):
+    a crash leaves either the old files or the new one, never half a file; a file not
+    named in ``merged`` is never removed."""
+    import pyarrow.parquet as pq
+    d = Path(directory)
+    order = [(c, "ascending") for c in ("key_id", "config_id", "timestamp") if c in table.column_names]
+    if order:
+        table = table.sort_by(order)
+    out, tmp = d / name, d / f".{name}.tmp"
+    pq.write_table(table, tmp, compression="zstd")
+    tmp.replace(out)
+    _fsync_dir(d)
+    for p in map(Path, merged):
+        if p != out:
+            p.unlink()
+    return out
+
+
 def _fsync_dir(path: Path) -> None:
     try:
         fd = os.open(path, os.O_RDONLY)

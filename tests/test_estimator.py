@@ -129,17 +129,12 @@ def test_the_memory_bound_counts_what_the_configs_walk_fetches():
     assert slow["rate_ok"] and slow["active_bound"] == "estimate"
 
 
-def test_recorded_rows_are_judged_again_by_the_walks_memory_bound():
-    """``rejudge`` applies today's time model to a recorded row's own cycles: a row whose
-    estimate beats its walk's bytes at the HBM peak by more than 5 % is refused (no metric),
-    one within 5 % takes the bound as its time, one above it is left as it was; every row
-    gets today's memory bound."""
+def _recorded_rows():
+    """Three recorded compile rows of one prefill config, their estimates 0.5x, 0.97x and 2x
+    the memory bound of the cache its walk fetches; and that bound."""
     import json
 
-    import pandas as pd
-
     from rpa_tune.estimator.calibration import calibration
-    from rpa_tune.estimator.rejudge import rejudge
     w = Workload.of_case("prefill", [128], [2176])
     bs = BlockSizes(32, 256, 32, 256)
     walk = audit.walk_bytes(w, LLAMA, "prefill", bs, 128, sliding_window=None)
@@ -147,16 +142,28 @@ def test_recorded_rows_are_judged_again_by_the_walks_memory_bound():
     old = audit.time_model(1.0, w, LLAMA, "v5e", "prefill", sliding_window=None)
     clock = calibration("v5e").clock_hz
     rows = []
-    for est in (0.5 * bound, 0.97 * bound, 2.0 * bound):
+    for i, est in enumerate((0.5 * bound, 0.97 * bound, 2.0 * bound)):
         rows.append(dict(backend="compile", kernel="rpa-tune", status="ok", method="estimate", generation="v5e",
                          case="prefill", num_q_heads=32, num_kv_heads=8, head_dim=128, q_dtype="bfloat16",
                          kv_dtype="bfloat16", page_size=128, bq=bs.bq, bkv=bs.bkv, cq=bs.cq, ckv=bs.ckv,
-                         sliding_window=False, workload="prefill: 1 seqs", workload_id="w",
-                         workload_json=json.dumps(dict(q_lens=list(w.q_lens), kv_lens=list(w.kv_lens),
+                         sliding_window=False, workload="prefill: 1 seqs", workload_id="w", key_id="k",
+                         config_id=f"c{i}", workload_json=json.dumps(dict(q_lens=list(w.q_lens), kv_lens=list(w.kv_lens),
                                                        distribution=list(w.distribution))),
                          cycles=est * clock, estimate_s=est, metric=max(est, old["memory_bound_s"]),
                          memory_bound_s=old["memory_bound_s"], active_bound="estimate", audit="complete",
                          message="composed"))
+    return rows, bound
+
+
+def test_recorded_rows_are_judged_again_by_the_walks_memory_bound():
+    """``rejudge`` applies today's time model to a recorded row's own cycles: a row whose
+    estimate beats its walk's bytes at the HBM peak by more than 5 % is refused (no metric),
+    one within 5 % takes the bound as its time, one above it is left as it was; every row
+    gets today's memory bound."""
+    import pandas as pd
+
+    from rpa_tune.estimator.rejudge import rejudge
+    rows, bound = _recorded_rows()
     new, changed = rejudge(pd.DataFrame(rows))
     assert list(changed) == [True, True, False]
     assert new.audit.tolist() == ["incomplete", "complete", "complete"]
@@ -164,6 +171,33 @@ def test_recorded_rows_are_judged_again_by_the_walks_memory_bound():
     assert new.metric[1] == pytest.approx(bound) and new.active_bound[1] == "memory"
     assert new.metric[2] == rows[2]["metric"] and new.message[2] == "composed"
     assert new.memory_bound_s.tolist() == pytest.approx([bound] * 3)
+
+
+def test_rejudge_reports_first_and_rewrites_a_results_directory_only_when_asked(tmp_path, capsys):
+    """``python -m rpa_tune.estimator.rejudge DIR`` only reports; with ``--write`` the
+    directory's files become one ``results.parquet`` holding every row, the judged ones
+    changed; a missing directory is one line and exit 2."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from rpa_tune.estimator.rejudge import main
+    from rpa_tune.store import SCHEMA, read_results_table
+    rows, bound = _recorded_rows()
+    d = tmp_path / "res"
+    d.mkdir()
+    for name, part in (("a.parquet", rows[:2]), ("b.parquet", rows[2:])):
+        cols = {f.name: pa.array([r.get(f.name) for r in part], type=f.type) for f in SCHEMA}
+        pq.write_table(pa.table(cols, schema=SCHEMA), d / name)
+    assert main([str(d)]) == 0
+    assert "2 of 3 rows judged again (1 refused, 1 at the walk's memory bound)" in capsys.readouterr().out
+    assert sorted(p.name for p in d.iterdir()) == ["a.parquet", "b.parquet"]
+    assert main([str(d), "--write"]) == 0
+    assert sorted(p.name for p in d.iterdir()) == ["results.parquet"]
+    got = read_results_table([d]).table.to_pandas().set_index("config_id")
+    assert got.audit.to_dict() == {"c0": "incomplete", "c1": "complete", "c2": "complete"}
+    assert got.metric["c1"] == pytest.approx(bound) and got.metric["c2"] == rows[2]["metric"]
+    assert main([str(tmp_path / "nope")]) == 2
+    assert "does not exist" in capsys.readouterr().err
 
 
 def _double_buffered(w, bs, page, dma):

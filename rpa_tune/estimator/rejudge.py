@@ -88,9 +88,8 @@ def main(argv=None) -> int:
                          "judged again (default: report only)")
     a = ap.parse_args(argv)
     import pyarrow as pa
-    import pyarrow.parquet as pq
     from pathlib import Path
-    from ..store import SCHEMA, read_results_table
+    from ..store import SCHEMA, read_results_table, replace_results
     d = Path(a.results)
     if not d.is_dir():
         print(f"rejudge: results directory {a.results!r} does not exist", file=sys.stderr)
@@ -107,14 +106,7 @@ def main(argv=None) -> int:
     for r in new[changed].itertuples(index=False):
         print(f"  {r.key_id} {(r.bq, r.bkv, r.cq, r.ckv)}: {r.audit}")
     if a.write and changed.any():
-        t = pa.Table.from_pandas(new, schema=SCHEMA, preserve_index=False)
-        out, tmp = d / "results.parquet", d / ".results.parquet.tmp"
-        pq.write_table(t.sort_by([(c, "ascending") for c in ("key_id", "config_id", "timestamp")]), tmp,
-                       compression="zstd")
-        tmp.replace(out)
-        for f in got.files:
-            if Path(f) != out:
-                Path(f).unlink()
+        out = replace_results(d, pa.Table.from_pandas(new, schema=SCHEMA, preserve_index=False), got.files)
         print(f"rewrote {out}")
     return 0
 
