@@ -73,7 +73,7 @@ def runs(case: str):
                 limits = ServingLimits(page_size=page, max_num_tokens=t, max_num_seqs=128, max_model_len=8192)
                 w, _ = mixed_workload(limits)
                 w = Workload.of_case("mixed", w.q_lens,
-                                     [kv for _, kv in compose._unlike_in_a_row(list(zip(w.q_lens, w.kv_lens)))])
+                                     [kv for _, kv in compose.unlike_in_a_row(list(zip(w.q_lens, w.kv_lens)))])
                 yield gen, model, label, page, c, limits, [(f"bucket {t}: {len(w.q_lens)} seqs, unlike", w)]
 
 

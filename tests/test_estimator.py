@@ -449,6 +449,8 @@ def test_mixed_probes_start_with_two_warm_up_sequences_and_no_like_ones_in_a_row
                 for i in range(len(q.q_lens))]
         for case in ("decode", "prefill"):
             assert compose.probes(case, bs, page) == compose.probes(case, bs, page, warm_up=False)
+    # the helper itself (benchmarks/small_q_check.py uses it too): only a like neighbour moves
+    assert compose.unlike_in_a_row([(1, 5)] * 3 + [(2, 5), (2, 6)]) == [(1, 5), (1, 6), (1, 5), (2, 5), (2, 6)]
 
 
 def test_mixed_probes_price_a_batch_past_its_first_two_sequences(monkeypatch, tmp_path):

@@ -91,7 +91,7 @@ def probes(case: Case | str, bs: BlockSizes, page_size: int, skip_dead_chunks: b
         # like sequences in a row are one loop in the analysis program (kernel.analysis),
         # which serving does not have: the second of two cost 390 cycles where it costs
         # 2,860 after another sequence (v5e, Llama-3-70B TP8, (16, 1024, 8, 1024))
-        shapes = [_unlike_in_a_row(mixed_warm_up(P) + s) for s in shapes]
+        shapes = [unlike_in_a_row(mixed_warm_up(P) + s) for s in shapes]
         shapes = [s for i, s in enumerate(shapes) if s not in shapes[:i]]   # ckv == bkv: 3rd is 7th
     out = [Probe(*zip(*s)) for s in shapes]
     if case == Case.PREFILL and long_walk:
@@ -117,7 +117,7 @@ def pipelined_pages(case: Case | str, bs: BlockSizes, page_size: int, workload: 
     return sum(cached_step_pages(workload, case, bs, page_size, sliding_window)[1:])
 
 
-def _unlike_in_a_row(seqs: list[tuple[int, int]]) -> list[tuple[int, int]]:
+def unlike_in_a_row(seqs: list[tuple[int, int]]) -> list[tuple[int, int]]:
     """``seqs`` with each sequence like the one before it given one more KV token."""
     out = []
     for q, kv in seqs:
