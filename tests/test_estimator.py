@@ -607,6 +607,55 @@ def test_a_crash_the_program_causes_is_kept_for_the_configs_other_buckets(monkey
     assert (len(calls) > n) == (crash.get("cause") == "memory_cap")
 
 
+def test_a_padded_head_dim_reads_its_128_lane_twins_complete_record_and_not_the_reverse(monkeypatch, tmp_path):
+    """Head_dim 64 compiles the kernel program of head_dim 128 (padded to 128 lanes): a
+    config's probes recorded for the 128-wide shape, complete, serve the 64-wide one without
+    compiling, whose need is no larger; a 64-wide record never serves the 128-wide shape,
+    nor an incomplete twin the 64-wide one."""
+    import glob
+    import json
+    calls = []
+
+    def fake_profile(builder, req, *, timeout=None, expect_kernel_hash=None, fast_forward=False, **kw):
+        calls.append(req["model"]["head_dim"])
+        return {"status": "ok", "cycles": 1000 + 3 * sum(req["workload"]["kv_lens"]), "trace": {},
+                "max_rss_bytes": 1, "compile_s": 0.1, "lower_s": 0.1}
+
+    _probe_with(monkeypatch, tmp_path, fake_profile)
+    wide, narrow = dataclasses.asdict(LLAMA), dataclasses.asdict(ModelShape(32, 8, 64))
+    args = dict(builder=compose.OURS, case="prefill", bs=BlockSizes(128, 512, 128, 256), tpu="v6e",
+                limits=dataclasses.asdict(LIM))
+    assert compose.padded_twin({"model": wide}) is None
+    assert compose.padded_twin({"model": narrow, "tpu": "v6e"}) == {"model": wide, "tpu": "v6e"}
+    w = compose.probe_config(**args, model=wide)
+    n = len(calls)
+    assert n and set(calls) == {128} and "cycles_of" not in w
+    nr = compose.probe_config(**args, model=narrow)
+    assert len(calls) == n and nr["cycles_of"].startswith("head_dim 128")
+    assert nr["model"] == w["model"] and [p["cycles"] for p in nr["probes"]] == [p["cycles"] for p in w["probes"]]
+    assert compose.probe_config(**args, model=narrow)["cycles_of"] and len(calls) == n   # its own record now
+    # the reverse: a 64-wide record does not serve the 128-wide shape
+    other = dict(args, bs=BlockSizes(128, 256, 128, 256))
+    compose.probe_config(**other, model=narrow)
+    m = len(calls)
+    assert set(calls[n:]) == {64}
+    compose.probe_config(**other, model=wide)
+    assert len(calls) == 2 * m - n and set(calls[m:]) == {128}
+    # an incomplete twin is not read
+    for f in glob.glob(str(tmp_path / "*.json")):
+        os.remove(f)
+    calls.clear()
+    compose.probe_config(**args, model=wide)
+    for f in glob.glob(str(tmp_path / "*.json")):
+        with open(f) as fh:
+            d = json.load(fh)
+        with open(f, "w") as fh:
+            json.dump(dict(d, audit=audit.INCOMPLETE), fh)
+    k = len(calls)
+    pr = compose.probe_config(**args, model=narrow)
+    assert len(calls) == 2 * k and set(calls[k:]) == {64} and "cycles_of" not in pr
+
+
 def test_probes_of_a_config_compile_in_parallel_in_order_and_stop_after_a_failure(monkeypatch, tmp_path):
     """``workers`` probes compile at once, the largest programs (most q blocks) first; the
     fit sees them in probe order whatever order they ran and finished in; once one fails,
