@@ -55,8 +55,11 @@ DEFAULT_RSS_CAP_GB = 3.0
 # The heuristic's probes (``rss_cap_bytes(heuristic=True)``): a key is promoted only over its
 # heuristic's estimate, one config per key, so it may take more of the machine's memory.
 # StarCoder's v6e prefill heuristic (256, 512, 4, 256) passed 3 GB and left six keys
-# without a baseline.
-DEFAULT_HEURISTIC_RSS_CAP_GB = 8.0
+# without a baseline; with the long-walk probe it passed 8 GB too. In the probe cache
+# (``max_rss_bytes``, 2026-11-28) the largest probes, of two StarCoder prefill
+# heuristics, took 10.5 and 10.6 GB, and the probes of one such config 1.7-10.6 GB.
+# 14 GB beside a 3 GB child and the sweep's processes fits a 24 GB machine at ``--jobs 2``.
+DEFAULT_HEURISTIC_RSS_CAP_GB = 14.0
 # A crash's ``cause`` when it is the program's, so the same program crashes again (the probe
 # cache keeps such verdicts: ``compose.probe_config``): the memory cap (``cap_bytes`` says
 # which), or a libtpu check failing on it.
@@ -78,7 +81,7 @@ def libtpu_env(env=None) -> dict:
 
 def rss_cap_bytes(heuristic: bool = False) -> int:
     """Memory cap of one profiler child: ``RPA_ESTIMATE_MAX_RSS_GB`` (default 3); for the
-    heuristic's probes ``RPA_ESTIMATE_HEURISTIC_MAX_RSS_GB`` (default 8), never below it."""
+    heuristic's probes ``RPA_ESTIMATE_HEURISTIC_MAX_RSS_GB`` (default 14), never below it."""
     cap = float(os.environ.get("RPA_ESTIMATE_MAX_RSS_GB", DEFAULT_RSS_CAP_GB))
     if heuristic:
         cap = max(cap, float(os.environ.get("RPA_ESTIMATE_HEURISTIC_MAX_RSS_GB", DEFAULT_HEURISTIC_RSS_CAP_GB)))
