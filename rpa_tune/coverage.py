@@ -160,15 +160,32 @@ def expected_keys(sweeps: list | None = None) -> list:
 
 def shard(sweeps: list[Sweep], index: int, count: int) -> list[Sweep]:
     """Part ``index`` (1-based) of ``count`` of a plan, for as many machines: the keys
-    (generation, shape, case, page size) go round-robin in plan order, each with its explore
-    and fill sweeps (the fill prices what its explore evaluated, from probes cached on the
-    machine that ran it). The parts are disjoint and together the whole plan."""
+    (generation, shape, case, page size) go to the part with the fewest keys so far, in
+    plan order, each with its explore and fill sweeps (the fill prices what its explore
+    evaluated, from probes cached on the machine that ran it), and a shape whose head_dim
+    is padded to 128 lanes with its 128-wide twin (Llama-3.2-1B with Llama-3-8B: the same
+    kernel programs, whose probe records the narrower one reads, ``compose.padded_twin``).
+    The parts are disjoint, together the whole plan, each in plan order."""
     if not 1 <= index <= count:
         raise ValueError(f"shard {index}/{count}: the part must be 1..{count}")
     groups: dict = {}
     for sw in sweeps:
-        groups.setdefault((sw.generation, sw.shape, sw.case, sw.page_size), []).append(sw)
-    return [sw for i, g in enumerate(groups.values()) if i % count == index - 1 for sw in g]
+        groups.setdefault(_machine_group(sw), set()).add((sw.generation, sw.shape, sw.case, sw.page_size))
+    load, part = [0] * count, {}
+    for g, keys in groups.items():
+        k = min(range(count), key=lambda i: (load[i], i))
+        part[g] = k
+        load[k] += len(keys)
+    return [sw for sw in sweeps if part[_machine_group(sw)] == index - 1]
+
+
+def _machine_group(sw: Sweep) -> tuple:
+    """What must run on one machine (``shard``): a key, or a key and its padded twin's."""
+    from kernel.config import round_up
+    from .presets import get_preset
+    p = get_preset(sw.shape.preset)
+    return (sw.generation, sw.case, sw.page_size, p.num_q_heads, p.num_kv_heads, round_up(p.head_dim, 128),
+            p.q_dtype, sw.shape.kv_dtype or p.kv_dtype, sw.shape.sliding_window, sw.shape.soft_cap)
 
 
 def parse_shard(text: str) -> tuple[int, int]:

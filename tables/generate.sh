@@ -18,7 +18,8 @@
 #   climbs from its best config (`rpa-tune sweep --refine`: neighbours one or two block sizes
 #   doubled or halved, while one beats it, at most REFINE more). JOBS=2, TIMEOUT=900 (s per
 #   config), EXPORT=0 (sweep only). SHARD=K/N: only part K of N of the plan (its keys
-#   round-robin, each with its explore and fill sweeps), to split the matrix over N machines;
+#   spread evenly, each with its explore and fill sweeps and Llama-3.2-1B's with Llama-3-8B's,
+#   whose probe records it reads: rpa_tune/coverage.py shard), to split the matrix over N machines;
 #   run it with EXPORT=0 on each, then copy every machine's tables/results/part-*.parquet into one
 #   tables/results and run the last two steps there (docs/tables.md, "Regenerating").
 # Wall time on the 2-core, 24 GB machine the shipped tables came from: docs/tables.md

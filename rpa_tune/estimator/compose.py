@@ -532,6 +532,7 @@ def probe_config(*, builder: str, case: Case | str, bs: BlockSizes, tpu: str, mo
     floor = dma_page_floor(tpu, model, limits["page_size"]) if case == Case.DECODE else 0.0
     failed, forward_failed = threading.Event(), threading.Event()
     cap = profiler.rss_cap_bytes() if rss_cap is None else int(rss_cap)
+
     def recorded(at: str, twin: bool = False) -> dict | None:
         """The verdict recorded at ``at`` (None if none can be used), its fit and check redone."""
         try:
