@@ -168,15 +168,16 @@ def shard(sweeps: list[Sweep], index: int, count: int) -> list[Sweep]:
     The parts are disjoint, together the whole plan, each in plan order."""
     if not 1 <= index <= count:
         raise ValueError(f"shard {index}/{count}: the part must be 1..{count}")
+    group_of = [_machine_group(sw) for sw in sweeps]
     groups: dict = {}
-    for sw in sweeps:
-        groups.setdefault(_machine_group(sw), set()).add((sw.generation, sw.shape, sw.case, sw.page_size))
+    for sw, g in zip(sweeps, group_of):
+        groups.setdefault(g, set()).add((sw.generation, sw.shape, sw.case, sw.page_size))
     load, part = [0] * count, {}
     for g, keys in groups.items():
         k = min(range(count), key=lambda i: (load[i], i))
         part[g] = k
         load[k] += len(keys)
-    return [sw for sw in sweeps if part[_machine_group(sw)] == index - 1]
+    return [sw for sw, g in zip(sweeps, group_of) if part[g] == index - 1]
 
 
 def _machine_group(sw: Sweep) -> tuple:
