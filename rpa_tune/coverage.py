@@ -16,12 +16,16 @@ tables hold it.
 * Model length: one bucket, 8192; the lookup serves any shorter one from it
   (``kernel.tables.index``).
 * Workloads per bucket (``SWEEP_WORKLOAD``): decode 64 sequences (lognormal context,
-  median 2048); prefill up to eight 1024-token chunks, as many as fill the bucket (one
-  chunk of the bucket below 1024); mixed scales with the bucket (``rpa_tune.workloads``).
+  median 2048) at every bucket; prefill up to eight 1024-token chunks, as many as fill the
+  bucket (one chunk of the bucket below 1024); mixed one chunked-prefill step whose chunk is
+  a quarter of the bucket, at most 512 tokens, so the same 640-token step from bucket 2048 on
+  (``rpa_tune.workloads``). A bucket whose workload an explore bucket already prices is
+  filled, not explored (``bucket_roles``).
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import shlex
 import sys
@@ -52,9 +56,9 @@ def needs_a_device(generation: str, case: str) -> str | None:
 BUCKETS = (128, 256, 512, 1024, 2048, 4096, 8192)
 # Buckets whose search proposes new configs; the others are filled from what these
 # evaluated (``rpa_tune.engine.sibling_configs``: priced from cached probes) plus their
-# heuristic, so a shape costs the compiles of three buckets' searches, not seven.
+# heuristic, so a shape costs the compiles of three buckets' searches, not seven (fewer
+# where explore buckets share a workload: ``bucket_roles``).
 EXPLORE_BUCKETS = (128, 2048, 8192)
-FILL_BUCKETS = tuple(t for t in BUCKETS if t not in EXPLORE_BUCKETS)
 MAX_MODEL_LEN = 8192
 MAX_NUM_SEQS = 128
 GEMMA2_SOFT_CAP = 50.0
@@ -104,9 +108,33 @@ COMPLETE: tuple[tuple[str, str], ...] = (("v5e", "llama3-70b-tp8"), ("v5p", "lla
                                          ("v5e", "qwen3-32b-tp4"), ("v5p", "qwen3-32b-tp4"),
                                          ("v6e", "qwen3-32b-tp4"))
 
-# the generated workload of every swept bucket (module doc)
-SWEEP_WORKLOAD = {"decode": ["--num-seqs", "64"], "prefill": ["--chunk", "1024", "--num-chunks", "8"],
-                  "mixed": []}
+# the generated workload of every swept bucket (module doc): ``make_workload`` keywords, and
+# the same as ``rpa-tune sweep`` options
+SWEEP_WORKLOAD_OPTIONS = {"decode": {"num_seqs": 64}, "prefill": {"chunk": 1024, "num_chunks": 8},
+                          "mixed": {}}
+SWEEP_WORKLOAD = {c: [x for k, v in o.items() for x in ("--" + k.replace("_", "-"), str(v))]
+                  for c, o in SWEEP_WORKLOAD_OPTIONS.items()}
+
+
+@functools.lru_cache(maxsize=None)
+def bucket_roles(case: str, page_size: int) -> tuple[tuple, tuple]:
+    """(explore buckets, fill buckets) of one key group. An explore bucket (``EXPLORE_BUCKETS``)
+    whose sweep workload equals that of a smaller explore bucket is filled instead: its fill
+    evaluates that bucket's best configs on the same batch (``--seeds``), from the same
+    cached probes, so it gets the same winner without a second search. Decode's 64
+    sequences are the same batch at every bucket, and so is mixed's step from 2048 on."""
+    from kernel.workload import ServingLimits
+    from .workloads import make_workload
+    explore, seen = [], []
+    for t in EXPLORE_BUCKETS:
+        limits = ServingLimits(page_size=page_size, max_num_tokens=t, max_num_seqs=MAX_NUM_SEQS,
+                               max_model_len=MAX_MODEL_LEN)
+        w, _ = make_workload(case, limits, **SWEEP_WORKLOAD_OPTIONS[case])
+        batch = (tuple(w.q_lens), tuple(w.kv_lens))
+        if batch not in seen:
+            seen.append(batch)
+            explore.append(t)
+    return tuple(explore), tuple(t for t in BUCKETS if t not in explore)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,8 +167,9 @@ def plan(generations=ESTIMABLE, shapes=SHAPES, cases=CASES, estimable_only: bool
                 if estimable_only and needs_a_device(g, c):
                     continue
                 for p in s.page_sizes:
-                    out.append(Sweep(g, s, c, p, EXPLORE_BUCKETS, "explore"))
-                    out.append(Sweep(g, s, c, p, FILL_BUCKETS, "fill"))
+                    explore, fill = bucket_roles(c, p)
+                    out.append(Sweep(g, s, c, p, explore, "explore"))
+                    out.append(Sweep(g, s, c, p, fill, "fill"))
     return out
 
 

@@ -77,3 +77,31 @@ def test_cases_that_need_a_device_stay_in_the_matrix_but_are_not_swept():
     r = _plan("--gen", "tpu7x", "--case", "mixed")
     assert r.returncode == 2 and r.stdout == ""
     assert len(r.stderr.strip().splitlines()) == 1 and "tpu7x mixed: no estimate is possible" in r.stderr
+
+
+def test_buckets_sharing_a_workload_are_filled_not_explored():
+    """An explore bucket whose generated batch a smaller explore bucket already prices is
+    filled from that bucket's configs instead of searched again (``coverage.bucket_roles``)."""
+    from kernel.workload import ServingLimits
+    from rpa_tune.workloads import make_workload
+
+    def batch(case, t):
+        limits = ServingLimits(page_size=128, max_num_tokens=t, max_num_seqs=coverage.MAX_NUM_SEQS,
+                               max_model_len=coverage.MAX_MODEL_LEN)
+        w, _ = make_workload(case, limits, **coverage.SWEEP_WORKLOAD_OPTIONS[case])
+        return w.q_lens, w.kv_lens
+
+    for case in coverage.CASES:
+        explore, fill = coverage.bucket_roles(case, 128)
+        assert sorted(explore + fill) == list(coverage.BUCKETS) and explore[0] == 128
+        batches = [batch(case, t) for t in explore]
+        assert len(set(batches)) == len(batches), case           # no batch searched twice
+        for t in set(coverage.EXPLORE_BUCKETS) - set(explore):     # each dropped one is priced
+            assert batch(case, t) in batches, (case, t)
+    # mixed: one step of at most 640 tokens from bucket 2048 on; decode: 64 sequences at all
+    assert coverage.bucket_roles("mixed", 256)[0] == (128, 2048)
+    assert coverage.bucket_roles("decode", 128)[0] == (128,)
+    assert coverage.bucket_roles("prefill", 256)[0] == coverage.EXPLORE_BUCKETS
+    lines = [sw for sw in coverage.plan(generations=("v5e",)) if sw.case == "mixed"]
+    assert lines and all(sw.buckets == ((128, 2048) if sw.role == "explore" else (256, 512, 1024, 4096, 8192))
+                         for sw in lines)
