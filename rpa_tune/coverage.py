@@ -116,23 +116,29 @@ SWEEP_WORKLOAD = {c: [x for k, v in o.items() for x in ("--" + k.replace("_", "-
                   for c, o in SWEEP_WORKLOAD_OPTIONS.items()}
 
 
+def sweep_workload(case: str, page_size: int, bucket: int):
+    """The batch the plan's sweep of ``case`` prices at token bucket ``bucket`` (module doc)."""
+    from kernel.workload import ServingLimits
+    from .workloads import make_workload
+    limits = ServingLimits(page_size=page_size, max_num_tokens=bucket, max_num_seqs=MAX_NUM_SEQS,
+                           max_model_len=MAX_MODEL_LEN)
+    return make_workload(case, limits, **SWEEP_WORKLOAD_OPTIONS[case])[0]
+
+
 @functools.lru_cache(maxsize=None)
 def bucket_roles(case: str, page_size: int) -> tuple[tuple, tuple]:
     """(explore buckets, fill buckets) of one key group. An explore bucket (``EXPLORE_BUCKETS``)
-    whose sweep workload equals that of a smaller explore bucket is filled instead: its fill
-    evaluates that bucket's best configs on the same batch (``--seeds``), from the same
-    cached probes, so it gets the same winner without a second search. Decode's 64
-    sequences are the same batch at every bucket, and so is mixed's step from 2048 on."""
-    from kernel.workload import ServingLimits
-    from .workloads import make_workload
-    explore, seen = [], []
+    whose sweep workload (``workload_id``, as results record it) equals that of a smaller
+    explore bucket is filled instead: its fill evaluates that bucket's best configs on the
+    same batch (``--seeds``), from the same cached probes, so it gets the same winner without
+    a second search. Decode's 64 sequences are the same batch at every bucket, and so is
+    mixed's step from 2048 on."""
+    from .workloads import workload_id
+    explore, seen = [], set()
     for t in EXPLORE_BUCKETS:
-        limits = ServingLimits(page_size=page_size, max_num_tokens=t, max_num_seqs=MAX_NUM_SEQS,
-                               max_model_len=MAX_MODEL_LEN)
-        w, _ = make_workload(case, limits, **SWEEP_WORKLOAD_OPTIONS[case])
-        batch = (tuple(w.q_lens), tuple(w.kv_lens))
-        if batch not in seen:
-            seen.append(batch)
+        wid = workload_id(sweep_workload(case, page_size, t))
+        if wid not in seen:
+            seen.add(wid)
             explore.append(t)
     return tuple(explore), tuple(t for t in BUCKETS if t not in explore)
 

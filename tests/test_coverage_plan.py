@@ -82,13 +82,8 @@ def test_cases_that_need_a_device_stay_in_the_matrix_but_are_not_swept():
 def test_buckets_sharing_a_workload_are_filled_not_explored():
     """An explore bucket whose generated batch a smaller explore bucket already prices is
     filled from that bucket's configs instead of searched again (``coverage.bucket_roles``)."""
-    from kernel.workload import ServingLimits
-    from rpa_tune.workloads import make_workload
-
     def batch(case, t):
-        limits = ServingLimits(page_size=128, max_num_tokens=t, max_num_seqs=coverage.MAX_NUM_SEQS,
-                               max_model_len=coverage.MAX_MODEL_LEN)
-        w, _ = make_workload(case, limits, **coverage.SWEEP_WORKLOAD_OPTIONS[case])
+        w = coverage.sweep_workload(case, 128, t)
         return w.q_lens, w.kv_lens
 
     for case in coverage.CASES:
