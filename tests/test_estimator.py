@@ -1133,6 +1133,87 @@ def test_warm_profiler_children_give_a_new_childs_results_and_are_reused(monkeyp
     assert child.proc.poll() is not None and not os.path.exists(child.dir)
 
 
+def _process_gone(pid: int) -> bool:
+    """No such process, or only its zombie (an init that does not reap it keeps that)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.parametrize("warm", ["1", "0"])
+def test_a_profiler_child_whose_parent_is_killed_stops_and_removes_its_folder(tmp_path, warm):
+    """A profiler child runs in its own session, out of reach of a group kill of its caller.
+    When the caller dies by SIGKILL mid-compile, the child (warm or not) stops within
+    seconds instead of compiling on, and its folder (profiles, libtpu logs) is removed."""
+    import json
+    import signal
+    import subprocess
+    import sys
+    import time
+    here = os.path.dirname(os.path.abspath(__file__))
+    pid_file = tmp_path / "child.json"
+    env = {k: v for k, v in os.environ.items() if k != "TPU_LOG_DIR"}
+    env.update(PYTHONPATH=os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]),
+               RPA_TEST_PID_FILE=str(pid_file), **{profiler.WARM_ENV: warm})
+    caller = subprocess.Popen(
+        [sys.executable, "-c", "from rpa_tune.estimator import profiler; "
+         "profiler.profile('tune_fakes:reporting_sleeper_builder', {}, timeout=600)"],
+        env=env, cwd=os.path.dirname(here))
+    try:
+        deadline = time.monotonic() + 120
+        while not pid_file.exists():
+            assert caller.poll() is None and time.monotonic() < deadline, "the child never started"
+            time.sleep(0.2)
+        child = json.loads(pid_file.read_text())
+        folder = os.path.dirname(child["tpu_log_dir"])
+        assert os.path.isdir(folder) and not _process_gone(child["pid"])
+        os.kill(caller.pid, signal.SIGKILL)
+        caller.wait()
+        deadline = time.monotonic() + 20
+        while not _process_gone(child["pid"]) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _process_gone(child["pid"]), "the orphaned child is still compiling"
+        assert not os.path.exists(folder)
+    finally:
+        if caller.poll() is None:
+            caller.kill()
+        if pid_file.exists() and not _process_gone(pid := json.loads(pid_file.read_text())["pid"]):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_an_idle_warm_profiler_child_whose_parent_is_killed_removes_its_folder():
+    """A warm child kept idle between compiles, whose caller dies by SIGKILL, exits and
+    removes its folder (the caller's exit handler, which would, never runs)."""
+    import json
+    import signal
+    import subprocess
+    import sys
+    import time
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]),
+               **{profiler.WARM_ENV: "1"})
+    caller = subprocess.Popen(
+        [sys.executable, "-c", "import json, time; from rpa_tune.estimator import profiler; "
+         "profiler.profile('tune_fakes:compile_error_builder', {}, timeout=120); "
+         "print(json.dumps([[w.proc.pid, w.dir] for ws in profiler._Warm._idle.values() for w in ws]), "
+         "flush=True); time.sleep(120)"],
+        env=env, cwd=os.path.dirname(here), stdout=subprocess.PIPE, text=True)
+    try:
+        [[pid, folder]] = json.loads(caller.stdout.readline())
+        assert os.path.isdir(folder) and not _process_gone(pid)
+        os.kill(caller.pid, signal.SIGKILL)
+        caller.wait()
+        deadline = time.monotonic() + 20
+        while (os.path.exists(folder) or not _process_gone(pid)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _process_gone(pid) and not os.path.exists(folder)
+    finally:
+        if caller.poll() is None:
+            caller.kill()
+
+
 @pytest.mark.parametrize("page", [128, 256])
 def test_every_decode_config_has_a_probe_ending_in_a_partial_chunk(page):
     """Nearly every served sequence ends in a partial chunk; a config whose probes never do

@@ -88,6 +88,19 @@ def sleeping_builder(**_):
     os._exit(0)
 
 
+def reporting_sleeper_builder(**_):
+    """Writes its pid and libtpu log folder (inside the folder its parent gave it) to the
+    file ``RPA_TEST_PID_FILE`` names, then compiles for a long time (two minutes)."""
+    import json
+    import time
+    path = os.environ["RPA_TEST_PID_FILE"]
+    with open(path + ".tmp", "w") as f:
+        json.dump({"pid": os.getpid(), "tpu_log_dir": os.environ.get("TPU_LOG_DIR")}, f)
+    os.replace(path + ".tmp", path)
+    time.sleep(120)
+    os._exit(0)
+
+
 def env_report_builder(**_):
     """Reports where the child's libtpu logs would go, then exits like a finished child."""
     import json

@@ -22,6 +22,11 @@ in one run: 18.4 s warm against 32.3 s, ``benchmarks/README.md``). Each request 
 profile folder and a fresh JAX cache; a child that crashed, timed out, was cancelled, saw
 another kernel source or grew past half the memory cap is not reused, and none serves more
 than ``WARM_MAX_REQUESTS``. ``RPA_TUNE_PROFILER_WARM=0``: a new child per compile.
+
+A child runs in its own session, so a group kill of its caller (a worker's timeout) does
+not reach it; instead it watches its parent (``_die_with_parent``) and, once the parent is
+gone (killed, even by SIGKILL), stops mid-compile and removes the folder the parent would
+have removed, rather than compiling on for up to ``timeout`` seconds with nobody waiting.
 """
 from __future__ import annotations
 
@@ -180,7 +185,7 @@ def profile(builder: str, request: dict, *, timeout: float | None = 600, rss_cap
         payload = json.dumps(dict(builder=builder, request=request, profile_dir=d, bundles=bundles))
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-            proc = subprocess.Popen([sys.executable, "-m", "rpa_tune.estimator.profiler"],
+            proc = subprocess.Popen([sys.executable, "-m", "rpa_tune.estimator.profiler", *_owner_args(d)],
                                     stdin=subprocess.PIPE, stdout=out, stderr=err, text=True, env=env,
                                     cwd=root, start_new_session=True)
             proc.stdin.write(payload)
@@ -267,7 +272,8 @@ class _Warm:
         env["TPU_LOG_DIR"] = os.path.join(self.dir, "tpu_logs")     # emptied per request (see profile)
         self.err = open(os.path.join(self.dir, "stderr"), "w+")
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        self.proc = subprocess.Popen([sys.executable, "-m", "rpa_tune.estimator.profiler", "--serve"],
+        self.proc = subprocess.Popen([sys.executable, "-m", "rpa_tune.estimator.profiler", "--serve",
+                                      *_owner_args(self.dir)],
                                      stdin=subprocess.PIPE, stdout=self.err, stderr=self.err, text=True,
                                      env=env, cwd=root, start_new_session=True)
         self.served = 0
@@ -377,9 +383,51 @@ def _serve() -> None:
         os.replace(tmp, req["result_path"])
 
 
+def _owner_args(folder: str) -> list[str]:
+    """The child's arguments naming its parent (this process) and the folder it owns."""
+    return ["--parent", str(os.getpid()), "--dir", folder]
+
+
+def _die_with_parent(argv: list[str]):
+    """In the child: once the parent named by ``--parent`` is gone, remove the ``--dir``
+    folder and exit. A daemon thread polls, since the main thread may sit in a compile
+    (native code, which releases the GIL) for minutes. Returns ``after_eof``, for a warm
+    child whose stdin closed: its parent died idle (a live one kills it instead)."""
+    if "--parent" not in argv:
+        return lambda: None
+    parent = int(argv[argv.index("--parent") + 1])
+    folder = argv[argv.index("--dir") + 1] if "--dir" in argv else None
+
+    def gone():
+        if folder:
+            import shutil
+            shutil.rmtree(folder, ignore_errors=True)
+        os._exit(1)
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        gone()
+
+    def after_eof():
+        # the kernel closes a dying process's files before it reparents its children
+        deadline = time.monotonic() + 5
+        while os.getppid() == parent and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if os.getppid() != parent:
+            gone()
+
+    if os.getppid() != parent:           # it died before we got here
+        gone()
+    threading.Thread(target=watch, name="rpa-profiler-parent-watchdog", daemon=True).start()
+    return after_eof
+
+
 if __name__ == "__main__":
+    after_eof = _die_with_parent(sys.argv[1:])
     os.environ.update(libtpu_env())
     if "--serve" in sys.argv[1:]:
         _serve()
+        after_eof()
     else:
         print(json.dumps(_child(json.loads(sys.stdin.read()))))
