@@ -12,12 +12,16 @@ whole with the static profiler on: the composed cycles against the whole compile
   runs like sequences in a row as one loop, which serving does not have
   (``kernel.analysis``), and its cycles for them are not serving's (16 decode steps of
   the bucket-256 batch, v5p Llama-3-70B TP8 (128, 512, 16, 256): 256,739 cycles with
-  like runs, 232,982 unlike; composed 234,094).
+  like runs, 232,982 unlike; composed 234,094). The bucket-256 step fills its bucket
+  since 2026-11-29 (a 128-token chunk; benchmarks/README.md's figures had one of 64).
+* mixed-filled: the steps that fill buckets 2048 and 4096 (28 and 30 sequences: prefill
+  chunks of at most 1024 tokens beside the extends, spec-decode and decode sequences),
+  like sequences made unlike as above.
 
 The new K/V operand is placed in VMEM in every program (as the estimator does on v5p; on
 v5e and v6e XLA puts it there anyway), so both sides price the same program.
 
-    python benchmarks/small_q_check.py [--case prefill|mixed] [--out FILE.md]
+    python benchmarks/small_q_check.py [--case prefill|mixed|mixed-filled] [--out FILE.md]
 
 ``rpa_tune.estimator.compose.PREFILL_UNDERPRICED`` holds the worst prefill error seen per bq.
 """
@@ -55,6 +59,11 @@ MIXED = [  # the shipped mixed winners of these keys (tables/*.json), the heuris
     ("v5e", STARCODER, "StarCoder-15B", 128, [(16, 512, 4, 512), (128, 512, 2, 256)]),
 ]
 MIXED_BUCKETS = (128, 256)
+MIXED_FILLED = [  # the heuristic, the winner shipped from the 640-token step, prefill-like configs
+    ("v6e", LLAMA3_70B_TP8, "Llama-3-70B TP8", 128, [(128, 512, 32, 256), (32, 1024, 16, 1024),
+                                                     (128, 2048, 64, 512), (256, 2048, 64, 512)]),
+]
+MIXED_FILLED_BUCKETS = (2048, 4096)
 
 
 def runs(case: str):
@@ -67,9 +76,10 @@ def runs(case: str):
             for c in configs:
                 yield gen, model, label, page, c, limits, loads
         return
-    for gen, model, label, page, configs in MIXED:
+    table, buckets = (MIXED_FILLED, MIXED_FILLED_BUCKETS) if case == "mixed-filled" else (MIXED, MIXED_BUCKETS)
+    for gen, model, label, page, configs in table:
         for c in configs:
-            for t in MIXED_BUCKETS:
+            for t in buckets:
                 limits = ServingLimits(page_size=page, max_num_tokens=t, max_num_seqs=128, max_model_len=8192)
                 w, _ = mixed_workload(limits)
                 w = Workload.of_case("mixed", w.q_lens,
@@ -79,15 +89,16 @@ def runs(case: str):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--case", choices=("prefill", "mixed"), default="prefill")
+    ap.add_argument("--case", choices=("prefill", "mixed", "mixed-filled"), default="prefill")
     ap.add_argument("--out", default=None, help="write the Markdown table here")
     args = ap.parse_args()
     kern = get_kernel("rpa-tune")
     lines = ["| gen | shape | page | config | workload | whole compile (cycles) | composed | error |",
              "|---|---|---:|---|---|---:|---:|---:|"]
+    case = "mixed" if args.case == "mixed-filled" else args.case
     for gen, model, label, page, c, limits, loads in runs(args.case):
         bs = BlockSizes(*c)
-        pr = compose.probe_config(builder=kern.builder, writes_kv_cache=kern.writes_kv_cache, case=args.case,
+        pr = compose.probe_config(builder=kern.builder, writes_kv_cache=kern.writes_kv_cache, case=case,
                                   bs=bs, tpu=gen, model=dataclasses.asdict(model),
                                   limits=dataclasses.asdict(limits))
         if pr["status"] != "ok":
@@ -98,7 +109,7 @@ def main() -> None:
             req = dict(workload=dict(q_lens=list(w.q_lens), kv_lens=list(w.kv_lens),
                                      distribution=list(w.distribution)),
                        block_sizes=list(bs), tpu=gen, model=dataclasses.asdict(model),
-                       limits=dataclasses.asdict(limits), case=args.case, place_new_kv=True)
+                       limits=dataclasses.asdict(limits), case=case, place_new_kv=True)
             t0 = time.time()
             r = profiler.profile(kern.builder, req, timeout=1800, rss_cap=8 << 30, bundles=False)
             if r["status"] != "ok":

@@ -17,10 +17,11 @@ tables hold it.
   (``kernel.tables.index``).
 * Workloads per bucket (``SWEEP_WORKLOAD``): decode 64 sequences (lognormal context,
   median 2048) at every bucket; prefill up to eight 1024-token chunks, as many as fill the
-  bucket (one chunk of the bucket below 1024); mixed one chunked-prefill step whose chunk is
-  a quarter of the bucket, at most 512 tokens, so the same 640-token step from bucket 2048 on
-  (``rpa_tune.workloads``). A bucket whose workload an explore bucket already prices is
-  filled, not explored (``bucket_roles``).
+  bucket (one chunk of the bucket below 1024); mixed one chunked-prefill step that fills
+  the bucket, prefill chunks of at most 1024 tokens beside extends, spec-decode and decode
+  sequences (``rpa_tune.workloads.mixed_workload``; until 2026-11-29 one chunk of at most
+  512 tokens, the same 640-token step from bucket 2048 on). A bucket whose workload an
+  explore bucket already prices is filled, not explored (``bucket_roles``).
 """
 from __future__ import annotations
 
@@ -98,15 +99,16 @@ SHAPES: tuple[Shape, ...] = (
     Shape("gemma2-9b window", "gemma2-9b", sliding_window=GEMMA2_WINDOW, soft_cap=GEMMA2_SOFT_CAP),
 )
 
-# What the shipped tables hold so far: (generation, shape name) pairs of the plan whose every
-# case, page size and bucket has an entry (``tests/test_tables_shipped.py`` asserts it from
-# the files; ``rpa-tune report``'s coverage matrix shows the rest as missing). When it is
-# every pair of ``plan()``, the tables cover the matrix.
-COMPLETE: tuple[tuple[str, str], ...] = (("v5e", "llama3-70b-tp8"), ("v5p", "llama3-70b-tp8"),
-                                         ("v6e", "llama3-70b-tp8"), ("v5e", "starcoder-15b (MQA)"),
-                                         ("v5p", "starcoder-15b (MQA)"), ("v6e", "starcoder-15b (MQA)"),
-                                         ("v5e", "qwen3-32b-tp4"), ("v5p", "qwen3-32b-tp4"),
-                                         ("v6e", "qwen3-32b-tp4"))
+# What the shipped tables hold so far: (generation, shape name, case) of the plan whose every
+# page size and bucket has a current entry, tuned for this kernel source on the plan's sweep
+# workload (``on_sweep_workload``; ``tests/test_tables_shipped.py`` asserts it from the
+# files; ``rpa-tune report``'s coverage matrix shows the rest as missing). When it is every
+# triple of ``plan()``, the tables cover the matrix. Mixed left it on 2026-11-29, when its
+# sweep step came to fill the bucket: its entries from bucket 256 on were tuned on the
+# earlier, smaller step.
+COMPLETE: tuple[tuple[str, str, str], ...] = tuple(
+    (g, s, c) for s in ("llama3-70b-tp8", "starcoder-15b (MQA)", "qwen3-32b-tp4")
+    for g in ("v5e", "v5p", "v6e") for c in ("decode", "prefill"))
 
 # the generated workload of every swept bucket (module doc): ``make_workload`` keywords, and
 # the same as ``rpa-tune sweep`` options
@@ -126,17 +128,37 @@ def sweep_workload(case: str, page_size: int, bucket: int):
 
 
 @functools.lru_cache(maxsize=None)
+def sweep_workload_id(case: str, page_size: int, bucket: int) -> str:
+    """``workload_id`` of ``sweep_workload`` (as results and table provenance record it)."""
+    from .workloads import workload_id
+    return workload_id(sweep_workload(case, page_size, bucket))
+
+
+def on_sweep_workload(entry) -> bool:
+    """Whether a table entry was tuned on the batch the plan's sweep prices at its key
+    (``sweep_workload``). An entry tuned on an earlier sweep workload (mixed before
+    2026-11-29) is stale like one of an earlier kernel: it is shipped, but is not coverage.
+    Keys outside the plan's format (another model length) and entries without a recorded
+    workload are not checked."""
+    k = entry.key
+    wid = entry.provenance.get("workload_id")
+    if k.max_model_len != MAX_MODEL_LEN or k.case not in SWEEP_WORKLOAD_OPTIONS or not wid:
+        return True
+    # a sliding window or soft cap is recorded after the batch's id ("...-sw4096-cap50")
+    return wid.partition("-")[0] == sweep_workload_id(k.case, k.page_size, k.max_num_tokens)
+
+
+@functools.lru_cache(maxsize=None)
 def bucket_roles(case: str, page_size: int) -> tuple[tuple, tuple]:
     """(explore buckets, fill buckets) of one key group. An explore bucket (``EXPLORE_BUCKETS``)
     whose sweep workload (``workload_id``, as results record it) equals that of a smaller
     explore bucket is filled instead: its fill evaluates that bucket's best configs on the
     same batch (``--seeds``), from the same cached probes, so it gets the same winner without
-    a second search. Decode's 64 sequences are the same batch at every bucket, and so is
-    mixed's step from 2048 on."""
-    from .workloads import workload_id
+    a second search. Decode's 64 sequences are the same batch at every bucket (prefill's and
+    mixed's batches fill their bucket)."""
     explore, seen = [], set()
     for t in EXPLORE_BUCKETS:
-        wid = workload_id(sweep_workload(case, page_size, t))
+        wid = sweep_workload_id(case, page_size, t)
         if wid not in seen:
             seen.add(wid)
             explore.append(t)

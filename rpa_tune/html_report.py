@@ -164,8 +164,10 @@ def shape_name(shape: tuple) -> str:
 def coverage(df, entries, sections=()) -> Coverage:
     """Generation x model shape x case x token bucket of our kernel: ``tuned`` when the
     tables hold a promoted entry for it tuned for the current kernel source, ``not
-    promoted`` when results or a current non-promoted entry exist but no promoted one,
-    ``stale`` when its only entries or results are another kernel source's, else
+    promoted`` when a current non-promoted entry, or results and no entry, exist but no
+    promoted one, ``stale`` when its only entries are another kernel source's or were tuned
+    on an earlier sweep workload (``coverage.on_sweep_workload``), or its only results
+    another kernel source's, else
     ``missing``; ``needs a device`` instead of any but ``tuned`` where no estimate of its
     generation and case is trusted (``coverage.NEEDS_A_DEVICE_CASES``). Rows: the shapes of
     the shipped
@@ -230,12 +232,17 @@ def coverage(df, entries, sections=()) -> Coverage:
                     ks = by_cell.get((g, s, c, t), [])
                     rk = sorted(k for k in ks if k in results_keys)
                     tk = sorted(k for k in ks if k in table_keys)
-                    current = [k for k in tk if not tuned_for_another_kernel(table_keys[k], source)]
+                    current = [k for k in tk if not tuned_for_another_kernel(table_keys[k], source)
+                               and matrix.on_sweep_workload(table_keys[k])]
                     if any(table_keys[k].promoted for k in current):
                         state = "tuned"
-                    elif rk or current:
+                    elif current:
                         state = "not promoted"
-                    elif tk or any(k in old_results for k in ks):
+                    elif tk:                  # the kernel uses such an entry: it is not missing
+                        state = "stale"
+                    elif rk:
+                        state = "not promoted"
+                    elif any(k in old_results for k in ks):
                         state = "stale"
                     else:
                         state = "missing"
@@ -502,8 +509,9 @@ def _render_coverage(add, cov: Coverage) -> None:
     add("<p>Our kernel's keys per generation × model shape × case × token bucket (<code>max_num_tokens</code> "
         "of the key, as the tables key them). <b>tuned</b>: the tables hold a promoted entry; <b>not "
         "promoted</b>: results (or a non-promoted entry) exist, but no promoted entry (the winner did not beat "
-        "the heuristic by the margin, or it was not exported); <b>stale</b>: only entries or results of an "
-        "earlier kernel source (the kernel uses such entries, with a warning); <b>missing</b>: none of these; <b>needs a device</b>: a generation and "
+        "the heuristic by the margin, or it was not exported); <b>stale</b>: only entries of an earlier kernel "
+        "source or tuned on an earlier sweep workload (the kernel uses such entries; of an earlier kernel, "
+        "with a warning), or only results of an earlier kernel source; <b>missing</b>: none of these; <b>needs a device</b>: a generation and "
         "case whose estimates are refused (below), unless tuned. The first rows are the "
         "shapes the shipped tables promise (<code>rpa_tune/coverage.py</code>). Page size and model length "
         "are folded into a cell (hover it for its keys; a link goes to the key below).</p>")

@@ -15,10 +15,11 @@ tokens (the memory traffic) within rounding of the drawn sample.
 * prefill: ``num_chunks`` chunks of ``chunk`` tokens (default 2 x 1024, capped by
   ``max_num_tokens``); each chunk's context is a whole number of earlier chunks of the
   same prompt, drawn uniformly from ``[0, max_context]`` (default 4096).
-* mixed: a serving step of a chunked-prefill server, scaled to ``max_num_tokens``:
-  one prefill chunk (1/4 of the token budget, at most 512), two "extend" requests
-  (16-64 new tokens), eight speculative-decoding sequences (4 tokens each) and sixteen
-  decode-like sequences (1 token), contexts lognormal(2048, 0.8), quantised.
+* mixed: a serving step of a chunked-prefill server that fills ``max_num_tokens`` (the
+  steps a server pads to that bucket hold more than half of it): two "extend" requests
+  (16-64 new tokens), eight speculative-decoding sequences (4 tokens each), sixteen
+  decode-like sequences (1 token) and prefill chunks of at most 1024 tokens over the
+  rest (a quarter of the bucket at least), contexts lognormal(2048, 0.8), quantised.
 * file (``--workload FILE``): JSON (a list of ``{"q_len":, "kv_len":}`` objects, or
   ``{"sequences": [...]}``) or CSV with columns ``q_len,kv_len`` and optionally
   ``case``. Without a ``case`` column, decode uses the rows with ``q_len == 1``, prefill
@@ -131,25 +132,36 @@ def prefill_workload(limits: ServingLimits, *, num_chunks: int = 2, chunk: int =
     return w, f"prefill gen: {n} chunks of {chunk}, context <= {max_context}, seed {seed}"
 
 
+MIXED_CHUNK = 1024    # a mixed step's prefill chunks: at most this many tokens each
+
+
 def mixed_workload(limits: ServingLimits, *, context: str = "lognormal:2048:0.8",
                    seed: int = 0) -> tuple[Workload, str]:
+    """One chunked-prefill serving step that fills its token bucket: two extends, 8
+    spec-decode and 16 decode sequences, and prefill chunks of at most ``MIXED_CHUNK``
+    tokens (a quarter of the bucket at least) over the rest. A server pads a step's tokens
+    up to the next bucket it compiled (vLLM-TPU: ``get_padded_token_len``), so the steps a
+    bucket's kernel runs hold more than half its tokens; and vLLM-TPU sends every sequence
+    of more than one query token to the mixed case (its request distribution is (decodes,
+    decodes, all)), so at large buckets that is mostly prefill. Until 2026-11-29 the step
+    had one chunk of a quarter of the bucket, at most 512 tokens: 640 tokens at every
+    bucket from 2048 on. Each chunk starts at a chunk boundary of its sequence."""
     rng = np.random.default_rng([seed, 3])
     T, S, L = limits.max_num_tokens, limits.max_num_seqs, limits.max_model_len
-    groups = [  # (count, q_len) of one realistic chunked-prefill serving step
-        (1, max(1, min(512, T // 4))),
-        (2, int(rng.integers(16, 65))),
-        (8, 4),
-        (16, 1),
-    ]
+    small = [(2, int(rng.integers(16, 65))), (8, 4), (16, 1)]   # (count, q_len): extend, spec-decode, decode
+    prefill = max(1, T // 4, T - sum(n * q for n, q in small))
+    chunks = [(1, min(MIXED_CHUNK, prefill - i)) for i in range(0, prefill, MIXED_CHUNK)]
     q_lens: list[int] = []
-    for count, q in groups:
+    for count, q in chunks + small:
         for _ in range(count):
             if len(q_lens) < S and sum(q_lens) + q <= T:
                 q_lens.append(min(q, L))
     if not q_lens:
         q_lens = [1]
+    n_chunks = min(len(chunks), len(q_lens))
     ctx = draw_lengths(context, len(q_lens), rng)
-    ctx[0] = (ctx[0] // max(1, q_lens[0])) * q_lens[0]           # the chunk starts at a chunk boundary
+    for i in range(n_chunks):
+        ctx[i] = (ctx[i] // q_lens[i]) * q_lens[i]                # a chunk starts at a chunk boundary
     kv = [int(min(L, c + q)) for c, q in zip(ctx, q_lens)]
     # quantise contexts within each q_len group (at most 2 levels each)
     out_kv = list(kv)
@@ -158,7 +170,8 @@ def mixed_workload(limits: ServingLimits, *, context: str = "lognormal:2048:0.8"
         for i, v in zip(idx, quantise([kv[i] for i in idx], 2)):
             out_kv[i] = max(q, v)
     w = Workload.of_case(Case.MIXED, q_lens, out_kv)
-    return w, f"mixed gen: {len(q_lens)} seqs (prefill chunk, extend, spec-decode, decode), context {context}, seed {seed}"
+    return w, (f"mixed gen: {len(q_lens)} seqs ({n_chunks} prefill chunks of <= {MIXED_CHUNK}, extend, spec-decode, "
+               f"decode), context {context}, seed {seed}")
 
 
 # --------------------------------------------------------------------------- files

@@ -14,7 +14,7 @@
 #   budget, the SEEDS=8 best configs of every other bucket of its key, priced from their
 #   cached probes: `rpa-tune sweep --seeds`, 0 for all of them). Only the explore buckets
 #   (rpa_tune/coverage.py: 128, 2048, 8192, less those whose batch a smaller one prices:
-#   decode 128 only, mixed 128 and 2048) search; the others ("fill" sweeps, --budget 1)
+#   decode 128 only) search; the others ("fill" sweeps, --budget 1)
 #   evaluate their heuristic and those seeds. REFINE=32: after its budget, each explore sweep
 #   climbs from its best config (`rpa-tune sweep --refine`: neighbours one or two block sizes
 #   doubled or halved, while one beats it, at most REFINE more). JOBS=2, TIMEOUT=900 (s per

@@ -93,10 +93,34 @@ def test_buckets_sharing_a_workload_are_filled_not_explored():
         assert len(set(batches)) == len(batches), case           # no batch searched twice
         for t in set(coverage.EXPLORE_BUCKETS) - set(explore):     # each dropped one is priced
             assert batch(case, t) in batches, (case, t)
-    # mixed: one step of at most 640 tokens from bucket 2048 on; decode: 64 sequences at all
-    assert coverage.bucket_roles("mixed", 256)[0] == (128, 2048)
+    # decode: 64 sequences at every bucket; mixed and prefill: a batch that fills its bucket
     assert coverage.bucket_roles("decode", 128)[0] == (128,)
-    assert coverage.bucket_roles("prefill", 256)[0] == coverage.EXPLORE_BUCKETS
+    assert coverage.bucket_roles("mixed", 256)[0] == coverage.bucket_roles("prefill", 256)[0] == coverage.EXPLORE_BUCKETS
     lines = [sw for sw in coverage.plan(generations=("v5e",)) if sw.case == "mixed"]
-    assert lines and all(sw.buckets == ((128, 2048) if sw.role == "explore" else (256, 512, 1024, 4096, 8192))
+    assert lines and all(sw.buckets == ((128, 2048, 8192) if sw.role == "explore" else (256, 512, 1024, 4096))
                          for sw in lines)
+
+
+def test_an_entry_tuned_on_another_batch_than_the_plans_is_not_on_its_sweep_workload():
+    """``coverage.on_sweep_workload``: an entry counts as coverage only if tuned on the batch
+    the plan's sweep prices at its key (a window or soft cap recorded after the batch's id
+    does not matter); a key outside the plan's format is not checked."""
+    import dataclasses
+    from kernel.config import BlockSizes
+    from kernel.config import TuningKey
+    from kernel.tables import Entry
+    from rpa_tune.workloads import workload_id
+    key = TuningKey(generation="v6e", case="mixed", q_dtype="bfloat16", kv_dtype="bfloat16", num_q_heads=8,
+                    num_kv_heads=1, head_dim=128, page_size=128, max_num_tokens=4096, max_model_len=8192,
+                    sliding_window=False)
+
+    def entry(wid, k=key):
+        return Entry(key=k, block_sizes=BlockSizes(32, 512, 32, 512), promoted=True, decision="", metric=1.0,
+                     unit="s", method="estimate", provenance={"workload_id": wid})
+
+    now = workload_id(coverage.sweep_workload("mixed", 128, 4096))
+    at_2048 = workload_id(coverage.sweep_workload("mixed", 128, 2048))
+    assert now != at_2048                         # the step fills its bucket
+    assert coverage.on_sweep_workload(entry(now)) and coverage.on_sweep_workload(entry(now + "-sw4096-cap50"))
+    assert not coverage.on_sweep_workload(entry(at_2048)) and not coverage.on_sweep_workload(entry("e2834d4ff7e2"))
+    assert coverage.on_sweep_workload(entry(at_2048, dataclasses.replace(key, max_model_len=4096)))

@@ -46,21 +46,23 @@ def test_shipped_tables_cover_three_generations_cases_and_presets():
 
 
 def test_shipped_tables_hold_every_key_the_coverage_claims():
-    """rpa_tune.coverage.COMPLETE: every key of each (generation, shape) it lists, all cases,
+    """rpa_tune.coverage.COMPLETE: every key of each (generation, shape, case) it lists, all
     page sizes and token buckets, has an entry in the shipped tables (promoted or not),
-    tuned for the current kernel source: an earlier kernel's entry is stale, not coverage."""
+    tuned for the current kernel source on the plan's sweep workload: an entry of an
+    earlier kernel or workload is stale, not coverage."""
     from kernel.provenance import kernel_source_hash
     from rpa_tune import coverage
     names = {s.name for s in coverage.SHAPES}
-    assert all(g in coverage.ESTIMABLE and n in names for g, n in coverage.COMPLETE), coverage.COMPLETE
+    assert all(g in coverage.ESTIMABLE and n in names and c in coverage.CASES for g, n, c in coverage.COMPLETE)
     entries = {e.key: e for p in FILES for e in kt.Table.read(p).entries}
-    claimed = [sw for sw in coverage.plan() if (sw.generation, sw.shape.name) in coverage.COMPLETE]
+    claimed = [sw for sw in coverage.plan() if (sw.generation, sw.shape.name, sw.case) in coverage.COMPLETE]
     want = coverage.expected_keys(claimed)
     assert not claimed or {k.max_num_tokens for k in want} == set(coverage.BUCKETS)
     missing = [k.id() for k in want if k not in entries]
     assert not missing, missing
     source = kernel_source_hash()
-    stale = [k.id() for k in want if kt.tuned_for_another_kernel(entries[k], source)]
+    stale = [k.id() for k in want if kt.tuned_for_another_kernel(entries[k], source)
+             or not coverage.on_sweep_workload(entries[k])]
     assert not stale, stale
 
 

@@ -1,4 +1,5 @@
 """Workload generators (seeded, fit the limits, few distinct lengths) and workload files."""
+import dataclasses
 import json
 
 import numpy as np
@@ -6,8 +7,8 @@ import pytest
 
 from kernel.config import Case
 from kernel.workload import ServingLimits
-from rpa_tune.workloads import (WorkloadError, decode_workload, make_workload, mixed_workload, prefill_workload,
-                                quantise, read_workload_file, workload_id)
+from rpa_tune.workloads import (MIXED_CHUNK, WorkloadError, decode_workload, make_workload, mixed_workload,
+                                prefill_workload, quantise, read_workload_file, workload_id)
 
 LIM = ServingLimits(page_size=128, max_num_tokens=2048, max_num_seqs=128, max_model_len=8192)
 
@@ -57,8 +58,18 @@ def test_prefill_chunks_and_mixed_mix():
     w, _ = prefill_workload(small)
     assert w.q_lens == (64,) and w.kv_lens[0] <= 256
     m, _ = mixed_workload(LIM)
-    assert max(m.q_lens) == 512 and min(m.q_lens) == 1 and 4 in m.q_lens
+    assert max(m.q_lens) == MIXED_CHUNK and min(m.q_lens) == 1 and 4 in m.q_lens
     assert m.num_tokens <= LIM.max_num_tokens
+    for t in (128, 256, 512, 1024, 2048, 4096, 8192):
+        # a step a server pads to bucket t holds more than t / 2 tokens (here: all t)
+        lim = dataclasses.replace(LIM, max_num_tokens=t)
+        m, _ = mixed_workload(lim)
+        m.check_fits(lim)
+        ext = {q for q in m.q_lens if 16 <= q <= 64 and m.q_lens.count(q) == 2}     # the two extends
+        chunks = [(q, kv) for q, kv in zip(m.q_lens, m.kv_lens) if q not in ext | {1, 4}]
+        assert t // 2 < m.num_tokens <= t and m.q_lens.count(1) == (16 if t > 128 else 0)
+        assert sum(q for q, _ in chunks) >= t // 4 and all(q <= MIXED_CHUNK for q, _ in chunks)
+        assert len(chunks) == -(-sum(q for q, _ in chunks) // MIXED_CHUNK) and len(ext) == 1
     m2, _ = mixed_workload(small)
     m2.check_fits(small)
 

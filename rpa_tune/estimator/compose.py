@@ -131,7 +131,7 @@ def mixed_warm_up(page_size: int) -> list[tuple[int, int]]:
     """The two short decode-like sequences (q_len, kv_len) every mixed probe of our kernel
     starts with, so that each probed sequence is priced as a batch's third or later.
 
-    A mixed batch holds 7-27 sequences (``rpa_tune.workloads.mixed_workload``), and in one
+    A mixed batch holds 7-34 sequences (``rpa_tune.workloads.mixed_workload``), and in one
     the first sequence waits for its first KV fetch, which later ones get during earlier
     compute, and the second costs a constant less than the rest (1,150-1,250 cycles on v5e
     for Llama-3-70B TP8 at (64, 512, 16, 512)). Probes of one or two sequences priced every
