@@ -141,9 +141,10 @@ def mixed_workload(limits: ServingLimits, *, context: str = "lognormal:2048:0.8"
     spec-decode and 16 decode sequences, and prefill chunks of at most ``MIXED_CHUNK``
     tokens (a quarter of the bucket at least) over the rest. A server pads a step's tokens
     up to the next bucket it compiled (vLLM-TPU: ``get_padded_token_len``), so the steps a
-    bucket's kernel runs hold more than half its tokens; and vLLM-TPU sends every sequence
-    of more than one query token to the mixed case (its request distribution is (decodes,
-    decodes, all)), so at large buckets that is mostly prefill. Until 2026-11-29 the step
+    bucket's kernel runs hold more than half its tokens; and tpu-inference's runner (its
+    data-parallel path at least) sends every sequence of more than one query token to the
+    mixed case (request distribution (decodes, decodes, all)), so at large buckets mixed is
+    mostly prefill. Until 2026-11-29 the step
     had one chunk of a quarter of the bucket, at most 512 tokens: 640 tokens at every
     bucket from 2048 on. Each chunk starts at a chunk boundary of its sequence."""
     rng = np.random.default_rng([seed, 3])
