@@ -37,8 +37,8 @@ def coverage_lines(have: dict) -> list[str]:
     entry tuned for the current kernel source) / keys expected (``coverage.expected_keys``),
     and how many of those are promoted."""
     lines = ["## Coverage of the matrix", "",
-             "Keys with an entry tuned for the current kernel source on the plan's sweep workload / keys "
-             "the plan expects "
+             "Keys with an entry tuned for the current kernel source, not on a retired sweep workload / "
+             "keys the plan expects "
              "(`rpa_tune.coverage.expected_keys`: every page size and token bucket), and how many of "
              "them are promoted. " + ", ".join(f"{g}: needs a device" for g in coverage.NEEDS_A_DEVICE) + ".", "",
              "| generation | shape | " + " | ".join(coverage.CASES) + " |",
@@ -76,7 +76,7 @@ def main() -> int:
     methods = set()
     for p in sorted(a.tables.glob("*.json")):
         for e in kt.Table.read(p).entries:
-            if kt.tuned_for_another_kernel(e, current) or not coverage.on_sweep_workload(e):
+            if kt.tuned_for_another_kernel(e, current) or coverage.on_retired_workload(e):
                 stale[(e.key.generation, e.key.case)] += 1      # an earlier kernel or sweep workload
                 continue
             groups[(e.key.generation, e.key.case)].append(e)
@@ -84,9 +84,10 @@ def main() -> int:
     lines = ["# Shipped tables against the heuristic", "",
              f"From `{a.tables.relative_to(ROOT) if a.tables.is_relative_to(ROOT) else a.tables}` "
              f"(`benchmarks/table_gains.py`): method {', '.join(sorted(methods))} (the compile backend's audited "
-             f"static estimate: not a device time), entries tuned for the current kernel source ({current}) "
-             "on the plan's sweep workload (`rpa_tune.coverage.on_sweep_workload`; entries of an earlier "
-             "kernel or workload are only counted, in the last column). Speedup = "
+             f"static estimate: not a device time), entries tuned for the current kernel source ({current}), "
+             "not on a sweep workload the plan has retired (`rpa_tune.coverage.on_retired_workload`; "
+             "entries of an earlier kernel or a retired workload are only counted, in the last column). "
+             "Speedup = "
              "heuristic's time / the time of what the kernel runs (1 where the entry is not promoted), both "
              "from the entry's own sweep. Generations and cases whose estimates are refused "
              "(`rpa_tune.coverage.NEEDS_A_DEVICE_CASES`) have no gain here.", "",

@@ -100,10 +100,10 @@ SHAPES: tuple[Shape, ...] = (
 )
 
 # What the shipped tables hold so far: (generation, shape name, case) of the plan whose every
-# page size and bucket has a current entry, tuned for this kernel source on the plan's sweep
-# workload (``on_sweep_workload``; ``tests/test_tables_shipped.py`` asserts it from the
-# files; ``rpa-tune report``'s coverage matrix shows the rest as missing). When it is every
-# triple of ``plan()``, the tables cover the matrix. Mixed left it on 2026-11-29, when its
+# page size and bucket has a current entry, tuned for this kernel source and not on a
+# retired sweep workload (``on_retired_workload``; ``tests/test_tables_shipped.py``
+# asserts it from the files; ``rpa-tune report``'s coverage matrix shows the rest). When it
+# is every triple of ``plan()``, the tables cover the matrix. Mixed left it on 2026-11-29, when its
 # sweep step came to fill the bucket: its entries from bucket 256 on were tuned on the
 # earlier, smaller step.
 COMPLETE: tuple[tuple[str, str, str], ...] = tuple(
@@ -134,18 +134,23 @@ def sweep_workload_id(case: str, page_size: int, bucket: int) -> str:
     return workload_id(sweep_workload(case, page_size, bucket))
 
 
-def on_sweep_workload(entry) -> bool:
-    """Whether a table entry was tuned on the batch the plan's sweep prices at its key
-    (``sweep_workload``). An entry tuned on an earlier sweep workload (mixed before
-    2026-11-29) is stale like one of an earlier kernel: it is shipped, but is not coverage.
-    Keys outside the plan's format (another model length) and entries without a recorded
-    workload are not checked."""
+# (case, token bucket) -> the workload_ids the plan's sweep priced there before and no longer
+# does: mixed until 2026-11-29, one chunk of a quarter of the bucket, at most 512 tokens
+# (``workloads.mixed_workload``). Bucket 128's step is unchanged.
+RETIRED_SWEEP_WORKLOADS: dict[tuple[str, int], tuple[str, ...]] = {
+    ("mixed", 256): ("842075d70dd9",), ("mixed", 512): ("198b794248a1",), ("mixed", 1024): ("fc879d2cbea2",),
+    **{("mixed", t): ("e2834d4ff7e2",) for t in (2048, 4096, 8192)}}
+
+
+def on_retired_workload(entry) -> bool:
+    """Whether a table entry was tuned on a batch the plan's sweep once priced at its key and
+    no longer does (``RETIRED_SWEEP_WORKLOADS``). Such an entry is stale like one of an
+    earlier kernel: shipped, used by the kernel, but not coverage. An entry tuned on any
+    other workload (a user's own) is not judged; a sliding window or soft cap recorded after
+    the batch's id ("...-sw4096-cap50") does not matter."""
     k = entry.key
-    wid = entry.provenance.get("workload_id")
-    if k.max_model_len != MAX_MODEL_LEN or k.case not in SWEEP_WORKLOAD_OPTIONS or not wid:
-        return True
-    # a sliding window or soft cap is recorded after the batch's id ("...-sw4096-cap50")
-    return wid.partition("-")[0] == sweep_workload_id(k.case, k.page_size, k.max_num_tokens)
+    wid = (entry.provenance.get("workload_id") or "").partition("-")[0]
+    return k.max_model_len == MAX_MODEL_LEN and wid in RETIRED_SWEEP_WORKLOADS.get((k.case, k.max_num_tokens), ())
 
 
 @functools.lru_cache(maxsize=None)

@@ -163,10 +163,11 @@ def shape_name(shape: tuple) -> str:
 
 def coverage(df, entries, sections=()) -> Coverage:
     """Generation x model shape x case x token bucket of our kernel: ``tuned`` when the
-    tables hold a promoted entry for it tuned for the current kernel source, ``not
+    tables hold a promoted entry for it tuned for the current kernel source (not on a
+    retired sweep workload), ``not
     promoted`` when a current non-promoted entry, or results and no entry, exist but no
     promoted one, ``stale`` when its only entries are another kernel source's or were tuned
-    on an earlier sweep workload (``coverage.on_sweep_workload``), or its only results
+    on an earlier sweep workload (``coverage.on_retired_workload``), or its only results
     another kernel source's, else
     ``missing``; ``needs a device`` instead of any but ``tuned`` where no estimate of its
     generation and case is trusted (``coverage.NEEDS_A_DEVICE_CASES``). Rows: the shapes of
@@ -233,7 +234,7 @@ def coverage(df, entries, sections=()) -> Coverage:
                     rk = sorted(k for k in ks if k in results_keys)
                     tk = sorted(k for k in ks if k in table_keys)
                     current = [k for k in tk if not tuned_for_another_kernel(table_keys[k], source)
-                               and matrix.on_sweep_workload(table_keys[k])]
+                               and not matrix.on_retired_workload(table_keys[k])]
                     if any(table_keys[k].promoted for k in current):
                         state = "tuned"
                     elif current:

@@ -101,26 +101,29 @@ def test_buckets_sharing_a_workload_are_filled_not_explored():
                          for sw in lines)
 
 
-def test_an_entry_tuned_on_another_batch_than_the_plans_is_not_on_its_sweep_workload():
-    """``coverage.on_sweep_workload``: an entry counts as coverage only if tuned on the batch
-    the plan's sweep prices at its key (a window or soft cap recorded after the batch's id
-    does not matter); a key outside the plan's format is not checked."""
+def test_an_entry_tuned_on_a_batch_the_plan_no_longer_sweeps_is_stale():
+    """``coverage.on_retired_workload``: an entry tuned on the batch the plan's sweep priced
+    at its key before (mixed until 2026-11-29) is stale; one on the current batch, on a
+    user's own batch, or of a key outside the plan's format is not judged stale, and a
+    window or soft cap recorded after the batch's id does not matter."""
     import dataclasses
-    from kernel.config import BlockSizes
-    from kernel.config import TuningKey
+    from kernel.config import BlockSizes, TuningKey
     from kernel.tables import Entry
-    from rpa_tune.workloads import workload_id
     key = TuningKey(generation="v6e", case="mixed", q_dtype="bfloat16", kv_dtype="bfloat16", num_q_heads=8,
-                    num_kv_heads=1, head_dim=128, page_size=128, max_num_tokens=4096, max_model_len=8192,
+                    num_kv_heads=1, head_dim=128, page_size=128, max_num_tokens=512, max_model_len=8192,
                     sliding_window=False)
 
-    def entry(wid, k=key):
-        return Entry(key=k, block_sizes=BlockSizes(32, 512, 32, 512), promoted=True, decision="", metric=1.0,
-                     unit="s", method="estimate", provenance={"workload_id": wid})
+    def stale(wid, **kw):
+        return coverage.on_retired_workload(Entry(
+            key=dataclasses.replace(key, **kw), block_sizes=BlockSizes(32, 512, 32, 512), promoted=True,
+            decision="", metric=1.0, unit="s", method="estimate", provenance={"workload_id": wid}))
 
-    now = workload_id(coverage.sweep_workload("mixed", 128, 4096))
-    at_2048 = workload_id(coverage.sweep_workload("mixed", 128, 2048))
-    assert now != at_2048                         # the step fills its bucket
-    assert coverage.on_sweep_workload(entry(now)) and coverage.on_sweep_workload(entry(now + "-sw4096-cap50"))
-    assert not coverage.on_sweep_workload(entry(at_2048)) and not coverage.on_sweep_workload(entry("e2834d4ff7e2"))
-    assert coverage.on_sweep_workload(entry(at_2048, dataclasses.replace(key, max_model_len=4096)))
+    for (case, t), wids in coverage.RETIRED_SWEEP_WORKLOADS.items():   # retired: never the current batch
+        assert coverage.sweep_workload_id(case, 128, t) not in wids and coverage.sweep_workload_id(case, 256, t) not in wids
+    retired = coverage.RETIRED_SWEEP_WORKLOADS[("mixed", 512)][0]
+    assert stale(retired) and stale(retired + "-sw4096-cap50")
+    assert not stale(coverage.sweep_workload_id("mixed", 128, 512)) and not stale("0123456789ab")
+    assert not stale(retired, max_model_len=4096) and not stale(retired, case="prefill")
+    # the old bucket-512 step (a 128-token chunk, 256 tokens) is the new bucket-256 step
+    assert retired == coverage.sweep_workload_id("mixed", 128, 256) and not stale(retired, max_num_tokens=256)
+    assert all(coverage.RETIRED_SWEEP_WORKLOADS.get(("mixed", t)) for t in coverage.BUCKETS if t > 128)

@@ -48,8 +48,8 @@ def test_shipped_tables_cover_three_generations_cases_and_presets():
 def test_shipped_tables_hold_every_key_the_coverage_claims():
     """rpa_tune.coverage.COMPLETE: every key of each (generation, shape, case) it lists, all
     page sizes and token buckets, has an entry in the shipped tables (promoted or not),
-    tuned for the current kernel source on the plan's sweep workload: an entry of an
-    earlier kernel or workload is stale, not coverage."""
+    tuned for the current kernel source and not on a retired sweep workload: an entry of an
+    earlier kernel or a retired workload is stale, not coverage."""
     from kernel.provenance import kernel_source_hash
     from rpa_tune import coverage
     names = {s.name for s in coverage.SHAPES}
@@ -62,7 +62,7 @@ def test_shipped_tables_hold_every_key_the_coverage_claims():
     assert not missing, missing
     source = kernel_source_hash()
     stale = [k.id() for k in want if kt.tuned_for_another_kernel(entries[k], source)
-             or not coverage.on_sweep_workload(entries[k])]
+             or coverage.on_retired_workload(entries[k])]
     assert not stale, stale
 
 
