@@ -35,7 +35,7 @@ from .evaluators.base import EvalResult, Task
 from .search import SEEDED, make_search
 from .space import CaseSpace, context, enumerate_space
 from .store import ResultStore, config_id, row_block_sizes
-from .worker import MARK, PARENT_ENV
+from .worker import LOG_DIR_ENV, MARK, PARENT_ENV
 from .workloads import workload_id
 
 WORKER_START_TIMEOUT = 300.0
@@ -110,6 +110,7 @@ class WorkerPool:
         self.env["PYTHONPATH"] = repo + (os.pathsep + self.env["PYTHONPATH"] if self.env.get("PYTHONPATH") else "")
         self._tmp = tempfile.TemporaryDirectory(prefix="rpa_tune_workers_")
         self.log_dir = Path(self._tmp.name)
+        self.env[LOG_DIR_ENV] = self._tmp.name    # a worker removes it if we die by SIGKILL
         self._q: queue.Queue = queue.Queue()
         self._workers: list[_Worker | None] = [None] * self.jobs
         self._next_id = 0

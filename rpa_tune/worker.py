@@ -13,18 +13,27 @@ import json
 import os
 import signal
 import sys
-import threading
 import time
 import traceback
 
+from .lifeline import remove_folder, wait_for_parent_gone, watch_parent
+
 MARK = "@@rpa-tune@@ "
 PARENT_ENV = "RPA_TUNE_PARENT_PID"
+LOG_DIR_ENV = "RPA_TUNE_WORKER_LOG_DIR"
 
 
 def _die_with_parent() -> None:
-    """SIGTERM when the engine dies (even by SIGKILL), and on SIGTERM kill our group."""
+    """SIGTERM when the engine dies (even by SIGKILL), and on SIGTERM kill our group. Once
+    the engine is gone, also remove its workers' log folder (``LOG_DIR_ENV``), which its
+    exit would have removed."""
+    parent = os.environ.get(PARENT_ENV)
+
     def on_term(signum, frame):  # noqa: ARG001
         try:
+            # (the engine's death signal can come before the kernel reparents us)
+            if parent and wait_for_parent_gone(int(parent), 2.0):
+                _remove_the_engines_logs()
             os.killpg(os.getpgrp(), signal.SIGKILL)
         finally:
             os._exit(143)
@@ -35,19 +44,14 @@ def _die_with_parent() -> None:
         libc.prctl(1, int(signal.SIGTERM), 0, 0, 0)   # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
-    parent = os.environ.get(PARENT_ENV)
-    if parent and os.getppid() != int(parent):      # the engine died before prctl
-        on_term(None, None)
-    # Python runs signal handlers in the main thread between bytecodes only, so while the
-    # main thread sits in a long native call (an in-process libtpu compile can take
-    # minutes) the SIGTERM above waits. A watchdog thread (compiles release the GIL) ends
-    # the worker and its group as soon as the engine is gone.
+    # The SIGTERM above waits while the main thread sits in a long native call (an
+    # in-process libtpu compile can take minutes): the watchdog does not.
     if parent:
-        def watch():
-            while os.getppid() == int(parent):
-                time.sleep(0.5)
-            on_term(None, None)
-        threading.Thread(target=watch, name="rpa-tune-parent-watchdog", daemon=True).start()
+        watch_parent(int(parent), lambda: on_term(None, None), name="rpa-tune-parent-watchdog")
+
+
+def _remove_the_engines_logs() -> None:
+    remove_folder(os.environ.get(LOG_DIR_ENV))
 
 
 def main(argv=None) -> int:
@@ -78,6 +82,11 @@ def main(argv=None) -> int:
             res = EvalResult(COMPILE_ERROR, getattr(evaluator, "method", "") or "",
                              message=f"{type(e).__name__}: {e} | {tb[-1500:]}")
         send({"id": req["id"], "result": res.to_json(), "eval_s": time.perf_counter() - t0})
+    # stdin closed: the engine died (it stops a live worker by SIGKILL, never by EOF), and
+    # its death may reach us as this EOF before the SIGTERM
+    parent = os.environ.get(PARENT_ENV)
+    if parent and wait_for_parent_gone(int(parent)):
+        _remove_the_engines_logs()
     return 0
 
 

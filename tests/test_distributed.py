@@ -107,7 +107,8 @@ def label(r) -> str:
     return f"bq{r.bq}_bkv{r.bkv}_cq{r.cq}_ckv{r.ckv}"
 
 
-@pytest.mark.parametrize("kind", ["postgres", "sqlite", "journal"])
+# sqlite under slow (the suite's time): an RDB storage like postgres, which runs by default
+@pytest.mark.parametrize("kind", ["postgres", pytest.param("sqlite", marks=pytest.mark.slow), "journal"])
 def test_two_workers_share_one_sweep(kind, tmp_path, request):
     """Two identical commands on one storage: every planned config evaluated exactly once
     (counted in the evaluator, not only in rows); the rows of both workers' results stores
@@ -160,7 +161,10 @@ def test_two_workers_share_one_sweep(kind, tmp_path, request):
         assert "0 evaluated" in again.stdout and not logged(tmp_path, "w3")
 
 
-@pytest.mark.parametrize("kind", ["postgres", "journal", pytest.param("sqlite", marks=pytest.mark.slow)])
+# journal and sqlite under slow (the suite's time): each storage's heartbeats and claims run
+# by default in the two-worker and dead-before-heartbeat tests
+@pytest.mark.parametrize("kind", ["postgres", pytest.param("journal", marks=pytest.mark.slow),
+                                  pytest.param("sqlite", marks=pytest.mark.slow)])
 def test_kill_9_worker_its_config_is_redone_once(kind, tmp_path, request):
     """SIGKILL a worker in the middle of an evaluation: after the grace period the other
     worker gets the config back and evaluates it once; nothing the killed worker finished

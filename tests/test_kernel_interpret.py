@@ -83,8 +83,11 @@ CASES = [
 # Under ``slow`` (the default suite's time): cases whose behaviour a default one covers.
 # decode-gqa: decode-new-token-opens-a-block (GQA, bq 1); mixed-gqa and all-three:
 # decode-groups-then-prefill-mixed (GQA, the three cases in one batch) and mixed-mqa;
-# prefill-no-context: the dead-chunk test's uncached prefill.
-SLOW_CASES = {"decode-gqa", "mixed-gqa", "all-three", "prefill-no-context"}
+# prefill-no-context: the dead-chunk test's uncached prefill; prefill-gqa: the prefill of
+# decode-groups-then-prefill-mixed (GQA, the same block sizes); decode-groups-of-2: that
+# case's groups of two and decode-new-token-opens-a-block's batch (at bq 1).
+SLOW_CASES = {"decode-gqa", "mixed-gqa", "all-three", "prefill-no-context", "prefill-gqa",
+              "decode-groups-of-2"}
 
 
 @pytest.mark.parametrize("model,limits,workload,kwargs", [
@@ -115,7 +118,10 @@ def test_fp8_mqa_odd_heads():
                   d_block_sizes=(1, 32, 1, 32), m_block_sizes=(8, 32, 8, 16), atol=3e-2, rtol=3e-2)
 
 
-@pytest.mark.parametrize("window", [1, pytest.param(7, marks=pytest.mark.slow), 40])
+# window 40 under slow: the dead-chunk, merged-step and decode-group tests run windows of
+# 20 and 40; 1 (a token sees only itself) is the edge no other test reaches
+@pytest.mark.parametrize("window", [1, pytest.param(7, marks=pytest.mark.slow),
+                                    pytest.param(40, marks=pytest.mark.slow)])
 def test_sliding_window(window):
     w = Workload.concat(decode_w(30, n=2), prefill_w(31, chunk=20, n=1), mixed_w(32, n=2))
     run_and_check(GQA, SMALL, w, sm_scale=0.1, sliding_window=window, d_block_sizes=(1, 32, 1, 16),
@@ -148,9 +154,10 @@ def test_heuristic_block_sizes_run():
     run_and_check(ModelShape(8, 2, 128), SMALL, w, sm_scale=0.1)
 
 
-# (two of the four run by default, one per generation and window: the suite's time)
+# (one of the four runs by default, the suite's time: it computes the dead chunks on TPU7x;
+# every other prefill / mixed test runs the default generation, v6e, which skips them)
 @pytest.mark.parametrize("generation,window", [
-    ("v6e", None), ("tpu7x", 20),
+    pytest.param("v6e", None, marks=pytest.mark.slow), ("tpu7x", 20),
     pytest.param("v6e", 20, marks=pytest.mark.slow), pytest.param("tpu7x", None, marks=pytest.mark.slow)])
 def test_dead_chunks_skipped_or_computed_give_the_same_attention(generation, window, monkeypatch):
     """Prefill / mixed skip the chunks with no visible key (past the causal diagonal, past a
@@ -220,8 +227,9 @@ def test_fp8_to_bf16_bits_is_exact_for_every_byte(byte):
     np.testing.assert_array_equal(np.abs(got[~finite]), [480.0, 480.0])
 
 
+# (one of the four runs by default, the suite's time)
 @pytest.mark.parametrize("generation,window", [
-    ("v6e", None), ("tpu7x", 40),
+    pytest.param("v6e", None, marks=pytest.mark.slow), ("tpu7x", 40),
     pytest.param("v6e", 40, marks=pytest.mark.slow), pytest.param("tpu7x", None, marks=pytest.mark.slow)])
 def test_new_tokens_merged_into_the_last_cached_step(generation, window, monkeypatch):
     """Few new tokens that fit in the last cached step's block are read from the cache once

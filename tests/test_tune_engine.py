@@ -121,6 +121,13 @@ def _workers_of(parent_pid: int) -> list[int]:
     return out
 
 
+def _log_folder_of(worker: int) -> Path:
+    """The folder of the workers' logs, which the engine removes when it exits."""
+    key = b"RPA_TUNE_WORKER_LOG_DIR="
+    env = Path(f"/proc/{worker}/environ").read_bytes().split(b"\0")
+    return Path(next(e[len(key):] for e in env if e.startswith(key)).decode())
+
+
 def _workers_still_running(workers: list[int], timeout: float) -> list[int]:
     """Wait up to ``timeout`` s for the worker processes to be gone; those still alive."""
     def alive():
@@ -153,12 +160,15 @@ def test_kill_9_of_a_real_sweep_then_resume(fake, tmp_path):
     assert len(list(res.glob("*.parquet"))) >= 5, "the sweep did not get going"
     workers = _workers_of(p.pid)
     assert workers, "the sweep runs its evaluations in worker processes"
+    logs = _log_folder_of(workers[0])
+    assert logs.is_dir()
     os.kill(p.pid, signal.SIGKILL)
     p.wait(timeout=30)
     before = ResultStore(res).read()
     done_before = set(before.config_id)
     assert 5 <= len(before) < 29
     assert not _workers_still_running(workers, 30), "workers die with the killed sweep"
+    assert not logs.exists(), "the dead sweep's worker logs are left in the temp folder"
     n_eval_before = len(evaluated(fake))
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
@@ -186,9 +196,11 @@ def test_workers_busy_in_native_code_die_with_a_killed_sweep(fake, tmp_path):
     assert len(evaluated(fake)) >= 2, "both workers should be evaluating"
     workers = _workers_of(p.pid)
     assert len(workers) == 2
+    logs = _log_folder_of(workers[0])
     os.kill(p.pid, signal.SIGKILL)
     p.wait(timeout=30)
     assert not _workers_still_running(workers, 10), "blocked workers outlived the killed sweep"
+    assert not logs.exists()
 
 
 @pytest.mark.parametrize("kv_dtype, bytes_per_value", [("float32", 4), ("bfloat16", 2), ("float8_e4m3fn", 1)])

@@ -390,36 +390,23 @@ def _owner_args(folder: str) -> list[str]:
 
 def _die_with_parent(argv: list[str]):
     """In the child: once the parent named by ``--parent`` is gone, remove the ``--dir``
-    folder and exit. A daemon thread polls, since the main thread may sit in a compile
-    (native code, which releases the GIL) for minutes. Returns ``after_eof``, for a warm
-    child whose stdin closed: its parent died idle (a live one kills it instead)."""
+    folder and exit (``lifeline.watch_parent``). Returns ``after_eof``, for a warm child
+    whose stdin closed: its parent died idle (a live one kills it instead)."""
     if "--parent" not in argv:
         return lambda: None
+    from ..lifeline import remove_folder, wait_for_parent_gone, watch_parent
     parent = int(argv[argv.index("--parent") + 1])
     folder = argv[argv.index("--dir") + 1] if "--dir" in argv else None
 
     def gone():
-        if folder:
-            import shutil
-            shutil.rmtree(folder, ignore_errors=True)
+        remove_folder(folder)
         os._exit(1)
 
-    def watch():
-        while os.getppid() == parent:
-            time.sleep(0.5)
-        gone()
-
     def after_eof():
-        # the kernel closes a dying process's files before it reparents its children
-        deadline = time.monotonic() + 5
-        while os.getppid() == parent and time.monotonic() < deadline:
-            time.sleep(0.05)
-        if os.getppid() != parent:
+        if wait_for_parent_gone(parent):
             gone()
 
-    if os.getppid() != parent:           # it died before we got here
-        gone()
-    threading.Thread(target=watch, name="rpa-profiler-parent-watchdog", daemon=True).start()
+    watch_parent(parent, gone, name="rpa-profiler-parent-watchdog")
     return after_eof
 
 
