@@ -1,7 +1,12 @@
 """The estimator (rpa_tune.estimator): the audit catches missing work, the kernel's step
 plan matches the DMAs in libtpu's simulated trace, composed estimates match full compiles."""
 import dataclasses
+import json
 import os
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -132,7 +137,6 @@ def test_the_memory_bound_counts_what_the_configs_walk_fetches():
 def _recorded_rows():
     """Three recorded compile rows of one prefill config, their estimates 0.5x, 0.97x and 2x
     the memory bound of the cache its walk fetches; and that bound."""
-    import json
 
     from rpa_tune.estimator.calibration import calibration
     w = Workload.of_case("prefill", [128], [2176])
@@ -613,7 +617,6 @@ def test_a_padded_head_dim_reads_its_128_lane_twins_complete_record_and_not_the_
     compiling, whose need is no larger; a 64-wide record never serves the 128-wide shape,
     nor an incomplete twin the 64-wide one."""
     import glob
-    import json
     calls = []
 
     def fake_profile(builder, req, *, timeout=None, expect_kernel_hash=None, fast_forward=False, **kw):
@@ -876,9 +879,6 @@ def test_recorded_probes_price_recorded_full_compiles(gen, case):
     are refitted with today's ``compose.fit`` and ``kernel.steps`` plan, and every composed
     workload must land within 5 % of its whole compile. Changing the step plan, the priced
     items, the probes or the fit without re-measuring fails here."""
-    import json
-    import os
-    import sys
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
     import compose_check as cc
     with open(cc.CACHE) as f:
@@ -1148,40 +1148,42 @@ def _process_gone(pid: int) -> bool:
         return True
 
 
+def _caller(code: str, **env) -> subprocess.Popen:
+    """A process that calls the profiler (``code``) with the test fakes importable."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict({k: v for k, v in os.environ.items() if k != "TPU_LOG_DIR"},
+               PYTHONPATH=os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]), **env)
+    return subprocess.Popen([sys.executable, "-c", "from rpa_tune.estimator import profiler; " + code],
+                            env=env, cwd=os.path.dirname(here), stdout=subprocess.PIPE, text=True)
+
+
+def _kill_and_expect_gone(caller: subprocess.Popen, child: int, folder: str) -> None:
+    """SIGKILL the caller: within 20 s its child is gone and the child's folder removed."""
+    assert os.path.isdir(folder) and not _process_gone(child)
+    os.kill(caller.pid, signal.SIGKILL)
+    caller.wait()
+    deadline = time.monotonic() + 20
+    while (os.path.exists(folder) or not _process_gone(child)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _process_gone(child), "the orphaned child is still running"
+    assert not os.path.exists(folder)
+
+
 @pytest.mark.parametrize("warm", ["1", "0"])
 def test_a_profiler_child_whose_parent_is_killed_stops_and_removes_its_folder(tmp_path, warm):
     """A profiler child runs in its own session, out of reach of a group kill of its caller.
     When the caller dies by SIGKILL mid-compile, the child (warm or not) stops within
     seconds instead of compiling on, and its folder (profiles, libtpu logs) is removed."""
-    import json
-    import signal
-    import subprocess
-    import sys
-    import time
-    here = os.path.dirname(os.path.abspath(__file__))
     pid_file = tmp_path / "child.json"
-    env = {k: v for k, v in os.environ.items() if k != "TPU_LOG_DIR"}
-    env.update(PYTHONPATH=os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]),
-               RPA_TEST_PID_FILE=str(pid_file), **{profiler.WARM_ENV: warm})
-    caller = subprocess.Popen(
-        [sys.executable, "-c", "from rpa_tune.estimator import profiler; "
-         "profiler.profile('tune_fakes:reporting_sleeper_builder', {}, timeout=600)"],
-        env=env, cwd=os.path.dirname(here))
+    caller = _caller("profiler.profile('tune_fakes:reporting_sleeper_builder', {}, timeout=600)",
+                     RPA_TEST_PID_FILE=str(pid_file), **{profiler.WARM_ENV: warm})
     try:
         deadline = time.monotonic() + 120
         while not pid_file.exists():
             assert caller.poll() is None and time.monotonic() < deadline, "the child never started"
             time.sleep(0.2)
         child = json.loads(pid_file.read_text())
-        folder = os.path.dirname(child["tpu_log_dir"])
-        assert os.path.isdir(folder) and not _process_gone(child["pid"])
-        os.kill(caller.pid, signal.SIGKILL)
-        caller.wait()
-        deadline = time.monotonic() + 20
-        while not _process_gone(child["pid"]) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert _process_gone(child["pid"]), "the orphaned child is still compiling"
-        assert not os.path.exists(folder)
+        _kill_and_expect_gone(caller, child["pid"], os.path.dirname(child["tpu_log_dir"]))
     finally:
         if caller.poll() is None:
             caller.kill()
@@ -1192,29 +1194,13 @@ def test_a_profiler_child_whose_parent_is_killed_stops_and_removes_its_folder(tm
 def test_an_idle_warm_profiler_child_whose_parent_is_killed_removes_its_folder():
     """A warm child kept idle between compiles, whose caller dies by SIGKILL, exits and
     removes its folder (the caller's exit handler, which would, never runs)."""
-    import json
-    import signal
-    import subprocess
-    import sys
-    import time
-    here = os.path.dirname(os.path.abspath(__file__))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]),
-               **{profiler.WARM_ENV: "1"})
-    caller = subprocess.Popen(
-        [sys.executable, "-c", "import json, time; from rpa_tune.estimator import profiler; "
-         "profiler.profile('tune_fakes:compile_error_builder', {}, timeout=120); "
-         "print(json.dumps([[w.proc.pid, w.dir] for ws in profiler._Warm._idle.values() for w in ws]), "
-         "flush=True); time.sleep(120)"],
-        env=env, cwd=os.path.dirname(here), stdout=subprocess.PIPE, text=True)
+    caller = _caller(
+        "import json, time; profiler.profile('tune_fakes:compile_error_builder', {}, timeout=120); "
+        "print(json.dumps([[w.proc.pid, w.dir] for ws in profiler._Warm._idle.values() for w in ws]), "
+        "flush=True); time.sleep(120)", **{profiler.WARM_ENV: "1"})
     try:
         [[pid, folder]] = json.loads(caller.stdout.readline())
-        assert os.path.isdir(folder) and not _process_gone(pid)
-        os.kill(caller.pid, signal.SIGKILL)
-        caller.wait()
-        deadline = time.monotonic() + 20
-        while (os.path.exists(folder) or not _process_gone(pid)) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert _process_gone(pid) and not os.path.exists(folder)
+        _kill_and_expect_gone(caller, pid, folder)
     finally:
         if caller.poll() is None:
             caller.kill()
