@@ -467,7 +467,10 @@ def sibling_configs(spec: SweepSpec, ctx: SweepContext, recorded: dict) -> list[
     backends pay for every evaluation (a device run, an interpretation): none for them.
     ``spec.seeds`` > 0: only the configs among the ``spec.seeds`` best of some other bucket
     (a probe cache that did not survive, e.g. on a fresh machine, makes every seed a full
-    evaluation, and most of a long sweep's are far from any bucket's best)."""
+    evaluation, and most of a long sweep's are far from any bucket's best), ranked per
+    batch priced there: the metrics of two batches at one bucket (the plan's sweep step
+    before and after a change) do not compare, and ranked together the smaller batch's
+    configs took every place."""
     if spec.backend != "compile":
         return []
     rows = [r for r in recorded.values()
@@ -475,10 +478,10 @@ def sibling_configs(spec: SweepSpec, ctx: SweepContext, recorded: dict) -> list[
             and r.get("max_num_tokens") != spec.key.max_num_tokens and _priced_alike(r, spec, ctx)]
     rows.sort(key=lambda r: r["metric"])
     if spec.seeds:
-        per_bucket: dict = {}
+        per_batch: dict = {}
         for r in rows:
-            per_bucket.setdefault(r["max_num_tokens"], []).append(row_block_sizes(r))
-        keep = {bs for configs in per_bucket.values() for bs in list(dict.fromkeys(configs))[:spec.seeds]}
+            per_batch.setdefault((r["max_num_tokens"], r.get("workload_id")), []).append(row_block_sizes(r))
+        keep = {bs for configs in per_batch.values() for bs in list(dict.fromkeys(configs))[:spec.seeds]}
         rows = [r for r in rows if row_block_sizes(r) in keep]
     return list(dict.fromkeys(map(row_block_sizes, rows)))
 

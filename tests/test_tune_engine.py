@@ -283,3 +283,26 @@ def test_a_crashed_heuristic_is_evaluated_again_on_resume(fake, monkeypatch, tmp
     assert sorted(r["status"] for r in rows) in (["crash", "ok"], ["ok"])
     third = run_sweep(spec(), store)
     assert third.evaluated == 0 and third.resumed == 29
+
+
+def test_seeds_rank_each_batch_of_another_bucket_apart():
+    """``--seeds N`` takes the N best configs of each other bucket per batch priced there.
+    A bucket priced on two batches (the plan's sweep step before and after it changed) has
+    metrics that do not compare: ranked together, the smaller batch's configs took every
+    place and the best config on the current batch was never a seed."""
+    import types
+    from rpa_tune.engine import sibling_configs
+    s = spec("mixed", seeds=2)
+    ctx = types.SimpleNamespace(kernel=types.SimpleNamespace(name="ours"), prov={"kernel_hash": "h"})
+    base = dict(s.key.as_dict(), backend="compile", kernel="ours", kernel_hash="h", status="ok")
+    old = [BlockSizes(16, 512, 16, 512), BlockSizes(32, 512, 32, 512), BlockSizes(16, 1024, 16, 1024)]
+    new = [BlockSizes(64, 1024, 64, 1024), BlockSizes(128, 1024, 64, 512), BlockSizes(32, 512, 32, 512)]
+    rows = [dict(base, max_num_tokens=4096, workload_id="old", metric=1e-4 * (1 + i), bq=b.bq, bkv=b.bkv,
+                 cq=b.cq, ckv=b.ckv) for i, b in enumerate(old)]
+    rows += [dict(base, max_num_tokens=4096, workload_id="new", metric=3e-4 * (1 + i), bq=b.bq, bkv=b.bkv,
+                  cq=b.cq, ckv=b.ckv) for i, b in enumerate(new)]
+    rows.append(dict(rows[0], max_num_tokens=s.key.max_num_tokens, metric=1e-6))   # this bucket: no seed
+    rows.append(dict(rows[0], kernel_hash="other", bq=8, metric=1e-6))              # another kernel source
+    seeds = sibling_configs(s, ctx, {str(i): r for i, r in enumerate(rows)})
+    assert set(seeds) == set(old[:2]) | set(new[:2])
+    assert seeds[:2] == old[:2]                                   # best metric first, as before
