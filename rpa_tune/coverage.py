@@ -103,12 +103,13 @@ SHAPES: tuple[Shape, ...] = (
 # page size and bucket has a current entry, tuned for this kernel source and not on a
 # retired sweep workload (``on_retired_workload``; ``tests/test_tables_shipped.py``
 # asserts it from the files; ``rpa-tune report``'s coverage matrix shows the rest). When it
-# is every triple of ``plan()``, the tables cover the matrix. Mixed left it on 2026-11-29, when its
-# sweep step came to fill the bucket: its entries from bucket 256 on were tuned on the
-# earlier, smaller step.
+# is every triple of ``plan()``, the tables cover the matrix. Mixed left it on 2026-11-29,
+# when its sweep step came to fill the bucket (its entries from bucket 256 on were tuned on
+# the earlier, smaller step), and comes back as sweeps on the new step finish.
 COMPLETE: tuple[tuple[str, str, str], ...] = tuple(
     (g, s, c) for s in ("llama3-70b-tp8", "starcoder-15b (MQA)", "qwen3-32b-tp4")
-    for g in ("v5e", "v5p", "v6e") for c in ("decode", "prefill"))
+    for g in ("v5e", "v5p", "v6e") for c in ("decode", "prefill")) + (
+    ("v6e", "llama3-70b-tp8", "mixed"),)
 
 # the generated workload of every swept bucket (module doc): ``make_workload`` keywords, and
 # the same as ``rpa-tune sweep`` options
