@@ -76,7 +76,7 @@ def main() -> int:
     methods = set()
     for p in sorted(a.tables.glob("*.json")):
         for e in kt.Table.read(p).entries:
-            if kt.tuned_for_another_kernel(e, current) or coverage.on_retired_workload(e):
+            if coverage.is_stale(e, current):
                 stale[(e.key.generation, e.key.case)] += 1      # an earlier kernel or sweep workload
                 continue
             groups[(e.key.generation, e.key.case)].append(e)

@@ -154,6 +154,13 @@ def on_retired_workload(entry) -> bool:
     return k.max_model_len == MAX_MODEL_LEN and wid in RETIRED_SWEEP_WORKLOADS.get((k.case, k.max_num_tokens), ())
 
 
+def is_stale(entry, source: str) -> bool:
+    """Shipped but not coverage: tuned for another kernel source than ``source``, or on a
+    retired sweep workload (``on_retired_workload``)."""
+    from kernel.tables import tuned_for_another_kernel
+    return tuned_for_another_kernel(entry, source) or on_retired_workload(entry)
+
+
 @functools.lru_cache(maxsize=None)
 def bucket_roles(case: str, page_size: int) -> tuple[tuple, tuple]:
     """(explore buckets, fill buckets) of one key group. An explore bucket (``EXPLORE_BUCKETS``)

@@ -177,7 +177,6 @@ def coverage(df, entries, sections=()) -> Coverage:
     matrix's and the keys' ``max_num_tokens``. Page size and model length are folded into
     the cell (its keys list them)."""
     from kernel.provenance import kernel_source_hash
-    from kernel.tables import tuned_for_another_kernel
     from . import coverage as matrix
     from .kernels import row_kernel
     source = kernel_source_hash()
@@ -233,8 +232,7 @@ def coverage(df, entries, sections=()) -> Coverage:
                     ks = by_cell.get((g, s, c, t), [])
                     rk = sorted(k for k in ks if k in results_keys)
                     tk = sorted(k for k in ks if k in table_keys)
-                    current = [k for k in tk if not tuned_for_another_kernel(table_keys[k], source)
-                               and not matrix.on_retired_workload(table_keys[k])]
+                    current = [k for k in tk if not matrix.is_stale(table_keys[k], source)]
                     if any(table_keys[k].promoted for k in current):
                         state = "tuned"
                     elif current:

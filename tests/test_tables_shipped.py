@@ -61,8 +61,7 @@ def test_shipped_tables_hold_every_key_the_coverage_claims():
     missing = [k.id() for k in want if k not in entries]
     assert not missing, missing
     source = kernel_source_hash()
-    stale = [k.id() for k in want if kt.tuned_for_another_kernel(entries[k], source)
-             or coverage.on_retired_workload(entries[k])]
+    stale = [k.id() for k in want if coverage.is_stale(entries[k], source)]
     assert not stale, stale
 
 
