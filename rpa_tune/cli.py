@@ -106,7 +106,8 @@ def sweep(
                                "more (0: no climb)."),
     seeds: int = typer.Option(0, "--seeds", min=0, help="--buckets with the compile backend: each bucket's "
                               "search first evaluates what the other buckets of the key evaluated ok; only "
-                              "the N best of each other bucket, per batch priced there (0: all of them)."),
+                              "the N best of each other bucket, per batch and evaluator version priced there (0: all "
+                              "of them)."),
     jobs: int = typer.Option(2, "--jobs", "-j", min=1, help="Parallel evaluations (worker processes); with the "
                              "compile backend each compiles its config's probes on cores / jobs processes "
                              "(RPA_TUNE_PROBE_WORKERS overrides); the tpu backend uses 1."),

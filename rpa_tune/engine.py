@@ -468,8 +468,9 @@ def sibling_configs(spec: SweepSpec, ctx: SweepContext, recorded: dict) -> list[
     ``spec.seeds`` > 0: only the configs among the ``spec.seeds`` best of some other bucket
     (a probe cache that did not survive, e.g. on a fresh machine, makes every seed a full
     evaluation, and most of a long sweep's are far from any bucket's best), ranked per
-    batch priced there: the metrics of two batches at one bucket (the plan's sweep step
-    before and after a change) do not compare, and ranked together the smaller batch's
+    batch priced there and per evaluator version: the metrics of two batches at one bucket
+    (the plan's sweep step before and after a change), or of two versions of one evaluator,
+    do not compare, and ranked together the smaller batch's (or the cheaper version's)
     configs took every place."""
     if spec.backend != "compile":
         return []
@@ -480,7 +481,8 @@ def sibling_configs(spec: SweepSpec, ctx: SweepContext, recorded: dict) -> list[
     if spec.seeds:
         per_batch: dict = {}
         for r in rows:
-            per_batch.setdefault((r["max_num_tokens"], r.get("workload_id")), []).append(row_block_sizes(r))
+            batch = (r["max_num_tokens"], r.get("workload_id"), r.get("evaluator_version"))
+            per_batch.setdefault(batch, []).append(row_block_sizes(r))
         keep = {bs for configs in per_batch.values() for bs in list(dict.fromkeys(configs))[:spec.seeds]}
         rows = [r for r in rows if row_block_sizes(r) in keep]
     return list(dict.fromkeys(map(row_block_sizes, rows)))

@@ -287,9 +287,10 @@ def test_a_crashed_heuristic_is_evaluated_again_on_resume(fake, monkeypatch, tmp
 
 def test_seeds_rank_each_batch_of_another_bucket_apart():
     """``--seeds N`` takes the N best configs of each other bucket per batch priced there.
-    A bucket priced on two batches (the plan's sweep step before and after it changed) has
-    metrics that do not compare: ranked together, the smaller batch's configs took every
-    place and the best config on the current batch was never a seed."""
+    A bucket priced on two batches (the plan's sweep step before and after it changed), or
+    by two versions of one evaluator, has metrics that do not compare: ranked together, the
+    smaller batch's configs took every place and the best config on the current batch was
+    never a seed; so did the cheaper version's."""
     import types
     from rpa_tune.engine import sibling_configs
     s = spec("mixed", seeds=2)
@@ -297,12 +298,18 @@ def test_seeds_rank_each_batch_of_another_bucket_apart():
     base = dict(s.key.as_dict(), backend="compile", kernel="ours", kernel_hash="h", status="ok")
     old = [BlockSizes(16, 512, 16, 512), BlockSizes(32, 512, 32, 512), BlockSizes(16, 1024, 16, 1024)]
     new = [BlockSizes(64, 1024, 64, 1024), BlockSizes(128, 1024, 64, 512), BlockSizes(32, 512, 32, 512)]
+    base["evaluator_version"] = 1
     rows = [dict(base, max_num_tokens=4096, workload_id="old", metric=1e-4 * (1 + i), bq=b.bq, bkv=b.bkv,
                  cq=b.cq, ckv=b.ckv) for i, b in enumerate(old)]
     rows += [dict(base, max_num_tokens=4096, workload_id="new", metric=3e-4 * (1 + i), bq=b.bq, bkv=b.bkv,
                   cq=b.cq, ckv=b.ckv) for i, b in enumerate(new)]
+    # the batch's best under a later evaluator version, which prices every config higher
+    later = BlockSizes(128, 512, 128, 512)
+    rows += [dict(rows[-3], evaluator_version=2, metric=1e-3, bq=later.bq, bkv=later.bkv,
+                  cq=later.cq, ckv=later.ckv),
+             dict(rows[-3], evaluator_version=2, metric=2e-3)]
     rows.append(dict(rows[0], max_num_tokens=s.key.max_num_tokens, metric=1e-6))   # this bucket: no seed
     rows.append(dict(rows[0], kernel_hash="other", bq=8, metric=1e-6))              # another kernel source
     seeds = sibling_configs(s, ctx, {str(i): r for i, r in enumerate(rows)})
-    assert set(seeds) == set(old[:2]) | set(new[:2])
+    assert set(seeds) == set(old[:2]) | set(new[:2]) | {later}
     assert seeds[:2] == old[:2]                                   # best metric first, as before
