@@ -299,14 +299,13 @@ def test_seeds_rank_each_batch_of_another_bucket_apart():
     old = [BlockSizes(16, 512, 16, 512), BlockSizes(32, 512, 32, 512), BlockSizes(16, 1024, 16, 1024)]
     new = [BlockSizes(64, 1024, 64, 1024), BlockSizes(128, 1024, 64, 512), BlockSizes(32, 512, 32, 512)]
     base["evaluator_version"] = 1
-    rows = [dict(base, max_num_tokens=4096, workload_id="old", metric=1e-4 * (1 + i), bq=b.bq, bkv=b.bkv,
-                 cq=b.cq, ckv=b.ckv) for i, b in enumerate(old)]
-    rows += [dict(base, max_num_tokens=4096, workload_id="new", metric=3e-4 * (1 + i), bq=b.bq, bkv=b.bkv,
-                  cq=b.cq, ckv=b.ckv) for i, b in enumerate(new)]
+    rows = [dict(base, max_num_tokens=4096, workload_id="old", metric=1e-4 * (1 + i), **b._asdict())
+            for i, b in enumerate(old)]
+    rows += [dict(base, max_num_tokens=4096, workload_id="new", metric=3e-4 * (1 + i), **b._asdict())
+             for i, b in enumerate(new)]
     # the batch's best under a later evaluator version, which prices every config higher
     later = BlockSizes(128, 512, 128, 512)
-    rows += [dict(rows[-3], evaluator_version=2, metric=1e-3, bq=later.bq, bkv=later.bkv,
-                  cq=later.cq, ckv=later.ckv),
+    rows += [dict(rows[-3], evaluator_version=2, metric=1e-3, **later._asdict()),
              dict(rows[-3], evaluator_version=2, metric=2e-3)]
     rows.append(dict(rows[0], max_num_tokens=s.key.max_num_tokens, metric=1e-6))   # this bucket: no seed
     rows.append(dict(rows[0], kernel_hash="other", bq=8, metric=1e-6))              # another kernel source
