@@ -111,7 +111,8 @@ COMPLETE: tuple[tuple[str, str, str], ...] = tuple(
     for g in ("v5e", "v5p", "v6e") for c in ("decode", "prefill")) + (
     ("v5e", "llama3-70b-tp8", "mixed"), ("v5p", "llama3-70b-tp8", "mixed"),
     ("v6e", "llama3-70b-tp8", "mixed"), ("v5e", "starcoder-15b (MQA)", "mixed"),
-    ("v6e", "starcoder-15b (MQA)", "mixed"), ("v6e", "qwen3-32b-tp4", "mixed"))
+    ("v5p", "starcoder-15b (MQA)", "mixed"), ("v6e", "starcoder-15b (MQA)", "mixed"),
+    ("v5e", "qwen3-32b-tp4", "mixed"), ("v6e", "qwen3-32b-tp4", "mixed"))
 
 # the generated workload of every swept bucket (module doc): ``make_workload`` keywords, and
 # the same as ``rpa-tune sweep`` options
