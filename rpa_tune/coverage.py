@@ -112,7 +112,8 @@ COMPLETE: tuple[tuple[str, str, str], ...] = tuple(
     ("v5e", "llama3-70b-tp8", "mixed"), ("v5p", "llama3-70b-tp8", "mixed"),
     ("v6e", "llama3-70b-tp8", "mixed"), ("v5e", "starcoder-15b (MQA)", "mixed"),
     ("v5p", "starcoder-15b (MQA)", "mixed"), ("v6e", "starcoder-15b (MQA)", "mixed"),
-    ("v5e", "qwen3-32b-tp4", "mixed"), ("v6e", "qwen3-32b-tp4", "mixed"))
+    ("v5e", "qwen3-32b-tp4", "mixed"), ("v6e", "qwen3-32b-tp4", "mixed"),
+    ("v5p", "qwen3-32b-tp4", "mixed"), ("v5e", "llama3.2-1b", "mixed"))
 
 # the generated workload of every swept bucket (module doc): ``make_workload`` keywords, and
 # the same as ``rpa-tune sweep`` options
