@@ -108,12 +108,7 @@ SHAPES: tuple[Shape, ...] = (
 # the earlier, smaller step), and comes back as sweeps on the new step finish.
 COMPLETE: tuple[tuple[str, str, str], ...] = tuple(
     (g, s, c) for s in ("llama3-70b-tp8", "starcoder-15b (MQA)", "qwen3-32b-tp4")
-    for g in ("v5e", "v5p", "v6e") for c in ("decode", "prefill")) + (
-    ("v5e", "llama3-70b-tp8", "mixed"), ("v5p", "llama3-70b-tp8", "mixed"),
-    ("v6e", "llama3-70b-tp8", "mixed"), ("v5e", "starcoder-15b (MQA)", "mixed"),
-    ("v5p", "starcoder-15b (MQA)", "mixed"), ("v6e", "starcoder-15b (MQA)", "mixed"),
-    ("v5e", "qwen3-32b-tp4", "mixed"), ("v6e", "qwen3-32b-tp4", "mixed"),
-    ("v5p", "qwen3-32b-tp4", "mixed"), ("v5e", "llama3.2-1b", "mixed"))
+    for g in ("v5e", "v5p", "v6e") for c in CASES) + (("v5e", "llama3.2-1b", "mixed"),)
 
 # the generated workload of every swept bucket (module doc): ``make_workload`` keywords, and
 # the same as ``rpa-tune sweep`` options
