@@ -134,6 +134,25 @@ def test_the_memory_bound_counts_what_the_configs_walk_fetches():
     assert slow["rate_ok"] and slow["active_bound"] == "estimate"
 
 
+
+def test_the_walk_bound_counts_the_padded_cache_a_narrow_head_dim_reads():
+    """Llama-3.2-1B's head_dim 64 is padded to 128 lanes in the cache: its walk moves the
+    padded bytes, so its memory bound is never below them at the HBM peak, and equals its
+    128-wide twin's but for the Q / O and new-token bytes, which the paper counts unpadded."""
+    from kernel.hardware import tpu_info
+    narrow, wide = ModelShape(32, 8, 64), LLAMA
+    w = Workload.of_case("prefill", [128], [2176])
+    bs = BlockSizes(32, 256, 32, 256)
+    bw = tpu_info("v5p").mem_bw_bytes_per_second
+    walk = audit.walk_bytes(w, narrow, "prefill", bs, 128, sliding_window=None)
+    assert walk == audit.walk_bytes(w, wide, "prefill", bs, 128, sliding_window=None) == 4 * 2048 * 2 * 8 * 128 * 2
+    t = {m.head_dim: audit.time_model(1.0, w, m, "v5p", "prefill", sliding_window=None, walk=walk)
+         for m in (narrow, wide)}
+    assert t[64]["memory_bound_s"] * bw >= walk
+    unpadded = 2 * 128 * 2 * 8 * 64 * 2 + 128 * 2 * 32 * 64 * 2   # new K/V read and written, Q read, O written
+    assert t[64]["memory_bound_s"] * bw == pytest.approx(walk + unpadded)
+    assert t[128]["memory_bound_s"] * bw == pytest.approx(walk + 2 * unpadded)
+
 def _recorded_rows():
     """Three recorded compile rows of one prefill config, their estimates 0.5x, 0.97x and 2x
     the memory bound of the cache its walk fetches; and that bound."""

@@ -179,7 +179,11 @@ def time_model(cycles: float, workload: Workload, model: ModelShape, generation:
     info = tpu_info(generation)
     need = needed(workload, model, case, sliding_window=sliding_window)
     est_s = cycles / cal.clock_hz
-    moved = need.hbm_bytes + max(0, (walk or 0) - need.kv_read_bytes)
+    # The walk replaces the paper's cached read, which counts head_dim unpadded: a narrower
+    # head_dim is padded to 128 lanes in our cache layout (``token_bytes``), so its walk
+    # moves twice (head_dim 64) the cache bytes the paper counts for it.
+    paper_read = need.kv_read_bytes * model.head_dim // round_up(model.head_dim, 128)
+    moved = need.hbm_bytes + max(0, (walk or 0) - paper_read)
     mem_s = moved / info.mem_bw_bytes_per_second
     cmp_s = need.flops / achievable_mxu_flops(generation, model.head_dim, cal)
     time_s = max(est_s, mem_s, cmp_s)

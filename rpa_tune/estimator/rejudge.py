@@ -10,6 +10,8 @@ walk fetches (``audit.walk_bytes``: a q block fetches its context again, so a sm
 reads the cache several times), not the context read once. A row whose estimate beats
 that bound by more than ``audit.RATE_TOLERANCE`` is refused (audit ``incomplete``, no
 metric: it cannot win); one within it keeps the bound as its time. Its message says so.
+Since 2026-11-29 that walk counts a head_dim under 128 padded to 128 lanes, as the cache
+holds it (``audit.time_model``); no row recorded before changed verdict or time by it.
 
     python -m rpa_tune.estimator.rejudge tables/results            # what would change
     python -m rpa_tune.estimator.rejudge tables/results --write    # rewrite the rows
