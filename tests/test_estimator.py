@@ -134,7 +134,6 @@ def test_the_memory_bound_counts_what_the_configs_walk_fetches():
     assert slow["rate_ok"] and slow["active_bound"] == "estimate"
 
 
-
 def test_the_walk_bound_counts_the_padded_cache_a_narrow_head_dim_reads():
     """Llama-3.2-1B's head_dim 64 is padded to 128 lanes in the cache: its walk moves the
     padded bytes, so its memory bound is never below them at the HBM peak, and equals its
@@ -152,6 +151,7 @@ def test_the_walk_bound_counts_the_padded_cache_a_narrow_head_dim_reads():
     unpadded = 2 * 128 * 2 * 8 * 64 * 2 + 128 * 2 * 32 * 64 * 2   # new K/V read and written, Q read, O written
     assert t[64]["memory_bound_s"] * bw == pytest.approx(walk + unpadded)
     assert t[128]["memory_bound_s"] * bw == pytest.approx(walk + 2 * unpadded)
+
 
 def _recorded_rows():
     """Three recorded compile rows of one prefill config, their estimates 0.5x, 0.97x and 2x
