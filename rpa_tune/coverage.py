@@ -110,7 +110,8 @@ COMPLETE: tuple[tuple[str, str, str], ...] = tuple(
     (g, s, c) for s in ("llama3-70b-tp8", "starcoder-15b (MQA)", "qwen3-32b-tp4")
     for g in ("v5e", "v5p", "v6e") for c in CASES) + tuple(
     (g, s, "mixed") for g in ("v5e", "v5p", "v6e")
-    for s in ("llama3-8b", "llama3.2-1b", "llama3-8b fp8 KV"))
+    for s in ("llama3-8b", "llama3.2-1b", "llama3-8b fp8 KV")) + tuple(
+    ("v6e", s, "mixed") for s in ("gemma2-9b", "gemma2-9b window"))
 
 # the generated workload of every swept bucket (module doc): ``make_workload`` keywords, and
 # the same as ``rpa-tune sweep`` options
