@@ -111,7 +111,8 @@ COMPLETE: tuple[tuple[str, str, str], ...] = tuple(
     for g in ("v5e", "v5p", "v6e") for c in CASES) + tuple(
     (g, s, "mixed") for g in ("v5e", "v5p", "v6e")
     for s in ("llama3-8b", "llama3.2-1b", "llama3-8b fp8 KV")) + tuple(
-    (g, s, "mixed") for g in ("v5e", "v6e") for s in ("gemma2-9b", "gemma2-9b window"))
+    (g, s, "mixed") for g in ("v5e", "v6e") for s in ("gemma2-9b", "gemma2-9b window")) + (
+    ("v5p", "gemma2-9b", "mixed"),)
 
 # the generated workload of every swept bucket (module doc): ``make_workload`` keywords, and
 # the same as ``rpa-tune sweep`` options
