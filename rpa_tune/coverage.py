@@ -105,14 +105,10 @@ SHAPES: tuple[Shape, ...] = (
 # asserts it from the files; ``rpa-tune report``'s coverage matrix shows the rest). When it
 # is every triple of ``plan()``, the tables cover the matrix. Mixed left it on 2026-11-29,
 # when its sweep step came to fill the bucket (its entries from bucket 256 on were tuned on
-# the earlier, smaller step), and comes back as sweeps on the new step finish.
+# the earlier, smaller step), and came back whole, every shape on the new step, on 2026-11-30.
 COMPLETE: tuple[tuple[str, str, str], ...] = tuple(
-    (g, s, c) for s in ("llama3-70b-tp8", "starcoder-15b (MQA)", "qwen3-32b-tp4")
-    for g in ("v5e", "v5p", "v6e") for c in CASES) + tuple(
-    (g, s, "mixed") for g in ("v5e", "v5p", "v6e")
-    for s in ("llama3-8b", "llama3.2-1b", "llama3-8b fp8 KV")) + tuple(
-    (g, s, "mixed") for g in ("v5e", "v6e") for s in ("gemma2-9b", "gemma2-9b window")) + (
-    ("v5p", "gemma2-9b", "mixed"),)
+    (g, s.name, c) for g in ("v5e", "v5p", "v6e") for s in SHAPES for c in CASES
+    if c == "mixed" or s.name in ("llama3-70b-tp8", "starcoder-15b (MQA)", "qwen3-32b-tp4"))
 
 # the generated workload of every swept bucket (module doc): ``make_workload`` keywords, and
 # the same as ``rpa-tune sweep`` options
