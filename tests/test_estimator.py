@@ -451,6 +451,59 @@ def _probe_with(monkeypatch, tmp_path, fake_profile) -> None:
     monkeypatch.setenv("RPA_TUNE_PROBE_CACHE", str(tmp_path))
 
 
+def test_a_vmem_oom_is_kept_for_the_configs_other_buckets(monkeypatch, tmp_path):
+    """The compiler's VMEM OOM at a scoped limit is the program's, the same at every token
+    bucket of the key: the compile backend's first estimate of a config that runs out at
+    the initial limit compiles at it, then at the limit the OOM asks for; pricing the
+    config for another bucket compiles nothing, recorded verdicts taking it through the same
+    retry to the same estimate. A timeout is not kept."""
+    from kernel.workload import ServingLimits as Lim
+    from rpa_tune.evaluators import compile as compile_ev
+    from rpa_tune.evaluators.base import Task
+    from rpa_tune.workloads import make_workload
+    need = 40 << 20
+    calls = []
+
+    def fake_profile(builder, req, *, timeout=None, expect_kernel_hash=None, fast_forward=False, **kw):
+        limit = req["options"]["vmem_limit_bytes"]
+        calls.append(limit)
+        if limit < need:
+            return {"status": "vmem_oom", "vmem": {"kind": "scoped_limit", "used_bytes": need, "limit_bytes": limit},
+                    "message": f"Scoped allocation with size {need} exceeds the limit {limit}", "max_rss_bytes": 1}
+        w = req["workload"]
+        return {"status": "ok", "cycles": 1000 + 10 * sum(w["q_lens"]) + sum(w["kv_lens"]), "trace": {},
+                "max_rss_bytes": 1, "compile_s": 0.1, "lower_s": 0.1}
+
+    _probe_with(monkeypatch, tmp_path, fake_profile)
+    bs = BlockSizes(64, 512, 64, 256)
+
+    def task(bucket):
+        lim = Lim(page_size=128, max_num_tokens=bucket, max_num_seqs=16, max_model_len=2048)
+        return Task(backend="compile", generation="v6e", case="prefill", model=LLAMA, limits=lim,
+                    workload=make_workload("prefill", lim)[0], bs=bs, vmem_predicted_bytes=8 << 20)
+
+    first = compile_ev.CompileEvaluator().evaluate(task(512))
+    assert first.status == "ok" and first.vmem_limit_bytes >= need and min(calls) < need
+    assert "OOM at limit" in first.message
+    n = len(calls)
+    again = compile_ev.CompileEvaluator().evaluate(task(1024))
+    assert len(calls) == n and again.status == "ok" and again.vmem_limit_bytes == first.vmem_limit_bytes
+    assert again.message.split(";")[0] == first.message.split(";")[0]       # (the same retry note)
+    # the recorded OOM says so
+    oom = compose.probe_config(builder=compose.OURS, case="prefill", bs=bs, tpu="v6e",
+                               model=dataclasses.asdict(LLAMA), limits=dataclasses.asdict(task(512).limits),
+                               options={"vmem_limit_bytes": min(calls)})
+    assert oom["status"] == "vmem_oom" and oom["cached"] and oom["vmem"]["used_bytes"] == need
+    assert len(calls) == n
+    # a timeout is not the program's: compiled again
+    monkeypatch.setattr(profiler, "profile", lambda *a, **k: calls.append(0) or {"status": "timeout", "message": "t"})
+    args = dict(builder=compose.OURS, case="prefill", bs=BlockSizes(128, 512, 128, 256), tpu="v6e",
+                model=dataclasses.asdict(LLAMA), limits=dataclasses.asdict(task(512).limits))
+    compose.probe_config(**args)
+    n = len(calls)
+    assert compose.probe_config(**args)["status"] == "timeout" and len(calls) > n
+
+
 def test_mixed_probes_start_with_two_warm_up_sequences_and_no_like_ones_in_a_row():
     """Our kernel's mixed probes: each after ``mixed_warm_up``, no two like sequences in a
     row (the analysis program loops over such runs; serving does not), no probe twice.

@@ -696,7 +696,8 @@ def probe_config(*, builder: str, case: Case | str, bs: BlockSizes, tpu: str, mo
                                                    f"{r.get('message', '')[-300:]}")
                 if r.get("cause") in (profiler.MEMORY_CAP, profiler.LIBTPU_ABORT):
                     failed_out.update(cause=r["cause"], cap_bytes=r.get("cap_bytes"))   # (what the cache keeps)
-            if use_cache and r.get("cause") in (profiler.MEMORY_CAP, profiler.LIBTPU_ABORT):
+            if use_cache and (r["status"] == "vmem_oom"
+                              or r.get("cause") in (profiler.MEMORY_CAP, profiler.LIBTPU_ABORT)):
                 _write_cache(path, failed_out)
             return failed_out
         if a.notes:
@@ -718,10 +719,13 @@ def probe_config(*, builder: str, case: Case | str, bs: BlockSizes, tpu: str, mo
 
 def _write_cache(path: str, out: dict) -> None:
     """A config's probe verdict, written whole or not at all. Besides ``ok`` ones, the
-    crashes its program causes (``profiler.MEMORY_CAP``, ``profiler.LIBTPU_ABORT``): they
-    are what the same probes give again at every token bucket of the key, and each cost
-    up to minutes (five repeats among the 51 crashed rows of tables/results and
-    benchmarks/results/exhaustive: 1,431 s)."""
+    crashes its program causes (``profiler.MEMORY_CAP``, ``profiler.LIBTPU_ABORT``) and the
+    compiler's VMEM OOM at the scoped limit the cache key holds: they are what the same
+    probes give again at every token bucket of the key, and each cost up to minutes (five
+    repeats among the 51 crashed rows of tables/results and benchmarks/results/exhaustive:
+    1,431 s; v5p's Gemma-2 sliding-window mixed fill at bucket 512 took 400 s re-paying
+    its configs' OOMs before their limit retries, 75 s with them recorded, every estimate
+    the same)."""
     import json
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = path + f".{os.getpid()}.{threading.get_ident()}.tmp"
