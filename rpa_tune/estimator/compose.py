@@ -723,9 +723,9 @@ def _write_cache(path: str, out: dict) -> None:
     compiler's VMEM OOM at the scoped limit the cache key holds: they are what the same
     probes give again at every token bucket of the key, and each cost up to minutes (five
     repeats among the 51 crashed rows of tables/results and benchmarks/results/exhaustive:
-    1,431 s; v5p's Gemma-2 sliding-window mixed fill at bucket 512 took 400 s re-paying
+    1,431 s; v5p's Gemma-2 sliding-window mixed fill at bucket 512 took 382 s compiling
     its configs' OOMs before their limit retries, 75 s with them recorded, every estimate
-    the same)."""
+    the same: docs/estimator.md)."""
     import json
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = path + f".{os.getpid()}.{threading.get_ident()}.tmp"
