@@ -581,8 +581,11 @@ def run_sweep(spec: SweepSpec, store: ResultStore, *, events: Events | None = No
         elif asked >= limit and len(plan.candidates) > limit:
             outcome.stop_reason = f"budget of {spec.budget} evaluations reached" + (
                 f" (and {spec.refine} climb asks)" if spec.refine else "")
-        else:
+        elif asked >= len(plan.candidates):
             outcome.stop_reason = "every candidate evaluated"
+        else:
+            outcome.stop_reason = (f"the search proposed nothing more ({asked} of {len(plan.candidates)} "
+                                   "candidates asked)")
     except KeyboardInterrupt:
         outcome.interrupted = True
         outcome.stop_reason = "interrupted: rerun the same command to resume"

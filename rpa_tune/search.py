@@ -143,9 +143,14 @@ class Search:
 
     def _climb(self) -> BlockSizes | None:
         ok = [(m, bs) for bs, m in self._told.items() if m is not None]
-        if not ok or self._climbed >= self.refine:
+        if not ok:
             return None
         best = min(ok)[1]
+        if self._climbed >= self.refine:
+            if not self.waiting:
+                self.stop_reason = (f"the climb's {self.refine} asks were spent before a local optimum; "
+                                    f"best so far {tuple(best)}")
+            return None
         for nb in neighbours(best, self._cand_set):
             if nb not in self._asked:
                 self._climbed += 1
