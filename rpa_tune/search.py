@@ -146,19 +146,19 @@ class Search:
         if not ok:
             return None
         best = min(ok)[1]
+        nxt = next((nb for nb in neighbours(best, self._cand_set) if nb not in self._asked), None)
+        if nxt is None:
+            if not self.waiting:
+                self.stop_reason = f"refined to a local optimum: every neighbour of {tuple(best)} evaluated"
+            return None
         if self._climbed >= self.refine:
             if not self.waiting:
-                self.stop_reason = (f"the climb's {self.refine} asks were spent before a local optimum; "
-                                    f"best so far {tuple(best)}")
+                self.stop_reason = (f"the climb's {self.refine} asks were spent; best so far {tuple(best)}, "
+                                    "some of its neighbours not evaluated")
             return None
-        for nb in neighbours(best, self._cand_set):
-            if nb not in self._asked:
-                self._climbed += 1
-                self._asked.add(nb)
-                return nb
-        if not self.waiting:
-            self.stop_reason = f"refined to a local optimum: every neighbour of {tuple(best)} evaluated"
-        return None
+        self._climbed += 1
+        self._asked.add(nxt)
+        return nxt
 
     @property
     def waiting(self) -> bool:
