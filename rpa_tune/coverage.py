@@ -109,7 +109,7 @@ SHAPES: tuple[Shape, ...] = (
 COMPLETE: tuple[tuple[str, str, str], ...] = tuple(
     (g, s.name, c) for g in ("v5e", "v5p", "v6e") for s in SHAPES for c in CASES
     if c != "prefill" or s.name in ("llama3-70b-tp8", "starcoder-15b (MQA)", "qwen3-32b-tp4", "llama3-8b",
-                                  "llama3.2-1b", "llama3-8b fp8 KV")
+                                    "llama3.2-1b", "llama3-8b fp8 KV")
     or (g in ("v5e", "v5p") and s.name in ("gemma2-9b", "gemma2-9b window")))
 
 # the generated workload of every swept bucket (module doc): ``make_workload`` keywords, and
