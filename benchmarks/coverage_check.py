@@ -19,7 +19,7 @@ Method:
 Writes ``benchmarks/results/coverage_check.md``: per key the two bests, the gap, and the
 worst gap; keys whose sweeps have not run yet are listed as pending.
 
-    python benchmarks/coverage_check.py [--run] [--max-keys N] [--jobs 2] [--case decode]
+    python benchmarks/coverage_check.py [--run] [--max-keys N] [--jobs 2] [--case decode] [--key TEXT]
 
 Without ``--run`` it only reports from the results there are. ``--run --ahead`` also sweeps
 sampled keys the generation has not reached (its probes of them are then cached).
@@ -118,6 +118,12 @@ def read(path: Path):
     return ResultStore(path).read_current() if path.exists() else pd.DataFrame(columns=list(KEY_COLS) + ["status", "metric"])
 
 
+def chosen(keys, cases=None, texts=None) -> list:
+    """``--run``'s keys among ``keys``: those of one of ``cases`` and whose id contains one of
+    ``texts`` (each filter off when None), in their order."""
+    return [k for k in keys if (not cases or k.case in cases) and (not texts or any(t in k.id() for t in texts))]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--generated", type=Path, default=ROOT / "tables" / "results",
@@ -133,6 +139,9 @@ def main() -> int:
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--case", choices=("decode", "prefill", "mixed"), action="append", default=None,
                     help="--run: only the sampled keys of this case (repeatable; the report still covers all)")
+    ap.add_argument("--key", action="append", default=None, metavar="TEXT",
+                    help="--run: only the sampled keys whose id contains TEXT (repeatable; e.g. "
+                         "v5e/prefill/qbfloat16-kvbfloat16/h16x2/d128/p256/t2048)")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "coverage_check.md")
     a = ap.parse_args()
     keys = sample(a.fraction, a.seed)
@@ -143,6 +152,11 @@ def main() -> int:
     # sampled keys no estimate can cover here (rpa_tune.coverage.needs_a_device): reported, not swept
     device = [k for k in keys if coverage.needs_a_device(k.generation, k.case)]
     keys = [k for k in keys if k not in device]
+    for t in a.key or ():
+        if not chosen(keys, None, [t]):
+            print(f"coverage_check: --key {t!r} is in no sampled key's id an estimate can cover "
+                  f"(e.g. {keys[0].id()}; the report lists them all)", file=sys.stderr)
+            return 2
     ready = [k for k in keys if len(rows_of(current, k))]
     marker = a.results / "complete.json"        # keys whose grid sweep finished
     ex = read(a.results)
@@ -157,8 +171,7 @@ def main() -> int:
         todo = by_plan(k for k in ready if k.id() not in finished)
         if a.ahead:
             todo += by_plan(k for k in keys if k not in ready and k.id() not in finished)
-        if a.case:
-            todo = [k for k in todo if k.case in a.case]
+        todo = chosen(todo, a.case, a.key)
         for k in todo[:a.max_keys]:
             args = sweeps[k.id()].args()
             i = args.index("--buckets")

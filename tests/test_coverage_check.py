@@ -13,7 +13,7 @@ from rpa_tune.store import ResultStore
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchmarks.coverage_check import configs, repriced_in_part  # noqa: E402
+from benchmarks.coverage_check import chosen, configs, repriced_in_part, sample  # noqa: E402
 
 EXHAUSTIVE = REPO / "benchmarks" / "results" / "exhaustive"
 
@@ -60,3 +60,30 @@ def test_a_grid_priced_again_in_part_is_named_until_every_config_is(tmp_path):
 
 def test_a_missing_results_directory_has_no_partial_grid(tmp_path):
     assert repriced_in_part(tmp_path / "absent", list(coverage.expected_keys())[:3]) == set()
+
+
+def test_run_picks_the_sampled_keys_of_the_case_and_the_text_given():
+    keys = sample(0.05, 0)
+    target = next(k for k in keys if k.case == "prefill")
+    assert chosen(keys, None, [target.id()]) == [target]
+    decode = chosen(keys, ["decode"])
+    assert decode and all(k.case == "decode" for k in decode)
+    assert len(decode) < len(keys)
+    # the filters combine: the prefill key's id with --case decode picks nothing
+    assert chosen(keys, ["decode"], [target.id()]) == []
+    # a text names every sampled key of one generation, in the sample's order
+    v5p = chosen(keys, None, ["v5p/"])
+    assert v5p == [k for k in keys if k.generation == "v5p"] and v5p
+    assert chosen(keys) == keys
+
+
+def test_a_key_text_in_no_sampled_key_is_refused_with_one_line(tmp_path, monkeypatch, capsys):
+    from benchmarks import coverage_check
+    out = tmp_path / "check.md"
+    monkeypatch.setattr(sys, "argv", ["coverage_check.py", "--run", "--key", "v9x/nosuch",
+                                      "--generated", str(tmp_path / "none"), "--results", str(tmp_path / "ex"),
+                                      "--out", str(out)])
+    assert coverage_check.main() == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "'v9x/nosuch'" in err[0]
+    assert not out.exists() and not (tmp_path / "ex").exists()     # nothing swept, nothing written
