@@ -98,6 +98,7 @@ class Coverage:
     cases: list
     buckets: list
     cells: dict                     # (generation, shape, case, bucket) -> CoverageCell
+    matrix_rows: int = 0            # the first shapes are the shipped matrix's (rpa_tune.coverage.SHAPES)
 
 
 @dataclasses.dataclass
@@ -205,6 +206,7 @@ def coverage(df, entries, sections=()) -> Coverage:
     rows: dict = {}
     for sh in matrix.SHAPES:
         rows.setdefault((preset_shape(get_preset(sh.preset), sh.kv_dtype), sh.sliding_window is not None), sh.name)
+    matrix_rows = len(rows)
     for p in PRESETS.values():
         rows.setdefault((preset_shape(p), False), None)
     for k in sorted(results_keys | old_results | set(table_keys)):
@@ -250,7 +252,20 @@ def coverage(df, entries, sections=()) -> Coverage:
                     keys = sorted({k.id() for k in ks})
                     anchor = next((anchors[k] for k in keys if k in anchors), None)
                     cells[(g, s, c, t)] = CoverageCell(state, keys, anchor)
-    return Coverage(list(GENERATIONS), shapes, list(CASES), buckets, cells)
+    return Coverage(list(GENERATIONS), shapes, list(CASES), buckets, cells, matrix_rows)
+
+
+def coverage_counts(cov: Coverage) -> str:
+    """The cells per state, the shipped matrix's rows apart from the other presets' and
+    shapes' (which the tables do not promise)."""
+    inside = {s for s, _ in cov.shapes[:cov.matrix_rows]}
+    parts = []
+    for name, mine in (("The shipped matrix's rows", True), ("the other rows", False)):
+        counts = Counter(c.state for (_, s, _, _), c in cov.cells.items() if (s in inside) == mine)
+        if mine or counts:
+            parts.append(f"{name}: " + ", ".join(f"{counts.get(st, 0)} {_e(st)}" for st in COVERAGE_STATES)
+                         + " cells")
+    return "; ".join(parts) + "."
 
 
 def gather(df, entries, *, results: str = "", tables: str = "", tpu=None, case=None, backend=None,
@@ -514,8 +529,7 @@ def _render_coverage(add, cov: Coverage) -> None:
         "case whose estimates are refused (below), unless tuned. The first rows are the "
         "shapes the shipped tables promise (<code>rpa_tune/coverage.py</code>). Page size and model length "
         "are folded into a cell (hover it for its keys; a link goes to the key below).</p>")
-    counts = Counter(c.state for c in cov.cells.values())
-    add("<p>" + ", ".join(f"{counts.get(s, 0)} {_e(s)}" for s in COVERAGE_STATES) + " cells.</p>")
+    add("<p>" + coverage_counts(cov) + "</p>")
     if not cov.buckets:
         add("<p>No keys in the results or tables.</p>")
         return

@@ -168,6 +168,16 @@ def test_coverage_with_one_table_entry(data):
         other = "needs a device" if matrix.NEEDS_A_DEVICE_CASES.get((g, c)) else "missing"
         assert cell.state == expect.get(cell_key, other), cell_key
     assert cov.cells[("tpu7x", a, "prefill", 2048)].state == "needs a device"
+    # the page counts the matrix's rows apart from the presets it leaves out
+    from rpa_tune.html_report import coverage_counts
+    assert cov.matrix_rows == len(matrix.SHAPES)     # each a row of its own
+    inside = set(rows[:cov.matrix_rows])
+    line = coverage_counts(cov)
+    n_in = sum(1 for k in cov.cells if k[1] in inside)
+    mine, other = line.rstrip(".").split("; ")
+    assert mine.startswith("The shipped matrix's rows: 1 tuned, 2 not promoted, 0 stale, ")
+    assert sum(int(x.split()[0]) for x in mine.split(": ", 1)[1].removesuffix(" cells").split(", ")) == n_in
+    assert other.startswith("the other rows: 0 tuned, 0 not promoted, 0 stale, ")
     assert cov.cells[("v6e", a, "decode", 2048)].keys == [KEY_A.id()]
     assert cov.cells[("v6e", b, "prefill", 2048)].anchor == _section(data, KEY_B).anchor
 
