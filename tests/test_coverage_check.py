@@ -87,3 +87,28 @@ def test_a_key_text_in_no_sampled_key_is_refused_with_one_line(tmp_path, monkeyp
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "'v9x/nosuch'" in err[0]
     assert not out.exists() and not (tmp_path / "ex").exists()     # nothing swept, nothing written
+
+
+def test_the_report_counts_the_grid_configs_it_could_not_price(tmp_path, monkeypatch):
+    """A grid config the exhaustive sweep tried but could not price (past the memory cap,
+    audit incomplete) is in the grid's size, not among its priced configs."""
+    from benchmarks import coverage_check
+    key, rows = _one_grid()
+    priced = rows[(rows["status"] == "ok") & rows["metric"].notna()]
+    n = configs(priced)
+    gen = ResultStore(tmp_path / "gen")
+    gen.append(_records(priced))                       # the budgeted search found the same best
+    unpriced = priced.head(1).copy()
+    unpriced["bq"] = int(unpriced["bq"].iloc[0]) * 1024    # a config the grid does not hold yet
+    unpriced["metric"] = float("nan")                  # ok, but its audit incomplete: no price
+    ex = ResultStore(tmp_path / "ex")
+    ex.append(_records(priced))
+    ex.append(_records(unpriced))
+    (tmp_path / "ex" / "complete.json").write_text(json.dumps([key.id()]))
+    out = tmp_path / "check.md"
+    monkeypatch.setattr(sys, "argv", ["coverage_check.py", "--generated", str(tmp_path / "gen"),
+                                      "--results", str(tmp_path / "ex"), "--out", str(out)])
+    assert coverage_check.main() == 0
+    row = next(line for line in out.read_text().splitlines() if line.startswith(f"| {key.id()} |"))
+    assert row.split(" | ")[1] == f"{n + 1} ({n})"
+    assert row.endswith("| +0.00% |")
