@@ -13,7 +13,7 @@ from rpa_tune.store import ResultStore
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchmarks.coverage_check import chosen, configs, repriced_in_part, sample  # noqa: E402
+from benchmarks.coverage_check import chosen, configs, repriced_in_part, rows_of, sample  # noqa: E402
 
 EXHAUSTIVE = REPO / "benchmarks" / "results" / "exhaustive"
 
@@ -94,7 +94,7 @@ def test_the_report_counts_the_grid_configs_it_could_not_price(tmp_path, monkeyp
     audit incomplete) is in the grid's size, not among its priced configs."""
     from benchmarks import coverage_check
     key, rows = _one_grid()
-    priced = rows[(rows["status"] == "ok") & rows["metric"].notna()]
+    priced = rows_of(rows, key)
     n = configs(priced)
     gen = ResultStore(tmp_path / "gen")
     gen.append(_records(priced))                       # the budgeted search found the same best
