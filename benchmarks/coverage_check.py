@@ -80,18 +80,34 @@ def configs(rows) -> int:
     return len(rows[["bq", "bkv", "cq", "ckv"]].drop_duplicates())
 
 
+GRID_GROUP = ("kernel_hash", "workload_id", "evaluator_version")
+
+
+def newest_grid(rows):
+    """One key's ``rows`` in the group of its most recent row: one kernel hash, workload and
+    evaluator version, the one landscape a grid is priced in. Rows of another group stay in
+    the store (``read_current`` keeps an older version's rows under another workload id, as
+    a new mixed workload gives) but are not this grid's."""
+    if not len(rows):
+        return rows
+    last = rows.sort_values("timestamp").iloc[-1]
+    m = rows["status"].notna()
+    for c in GRID_GROUP:
+        m &= rows[c] == last[c]
+    return rows[m]
+
+
 def repriced_in_part(path: Path, keys) -> set:
-    """Ids of ``keys`` whose exhaustive grid under ``path`` a newer evaluator version is
-    pricing again and has not finished: the newest version's rows (what ``read_current``
-    keeps) cover fewer configs than the key's rows of every version. Such a grid is no
+    """Ids of ``keys`` whose exhaustive grid under ``path`` a newer evaluator version (or
+    workload) is pricing again and has not finished: the rows of the key's newest group
+    (``newest_grid``) cover fewer configs than its rows of every group. Such a grid is no
     landscape yet: the configs still to be re-priced are missing from it. Pending in the
     report, and ``--run`` resumes it (``complete.json`` still lists it from its older run)."""
-    from rpa_tune.store import ResultStore, newest_evaluator_frame
+    from rpa_tune.store import ResultStore
     if not path.exists():
         return set()
     every = ResultStore(path).read()
-    current = newest_evaluator_frame(every)
-    return {k.id() for k in keys if configs(key_rows(current, k)) < configs(key_rows(every, k))}
+    return {k.id() for k in keys if configs(newest_grid(key_rows(every, k))) < configs(key_rows(every, k))}
 
 
 def current_version(key) -> str:
@@ -201,9 +217,8 @@ def main() -> int:
         if not len(e) or not len(g) or k.id() not in complete or k.id() in stale:
             pending.append(k)
             continue
-        e = e[e["kernel_hash"] == e.sort_values("timestamp")["kernel_hash"].iloc[-1]]
-        every = key_rows(ex, k)     # every swept config, priced or not (past a cap, audit incomplete)
-        every = every[every["kernel_hash"].isin(set(e["kernel_hash"]))]
+        every = newest_grid(key_rows(ex, k))   # every config of the grid, priced or not (past a cap, audit incomplete)
+        e = rows_of(every, k)
         g = g[(g["kernel_hash"].isin(set(e["kernel_hash"]))) & (g["workload_id"].isin(set(e["workload_id"])))
               & (g["evaluator_version"].isin(set(e["evaluator_version"])))]
         if not len(g):

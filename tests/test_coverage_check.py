@@ -112,3 +112,30 @@ def test_the_report_counts_the_grid_configs_it_could_not_price(tmp_path, monkeyp
     row = next(line for line in out.read_text().splitlines() if line.startswith(f"| {key.id()} |"))
     assert row.split(" | ")[1] == f"{n + 1} ({n})"
     assert row.endswith("| +0.00% |")
+
+
+def test_a_grid_priced_again_under_a_new_workload_is_pending_not_compared(tmp_path, monkeypatch):
+    """A new evaluator version that also changes the workload (a new mixed workload) starts a
+    group of its own: ``read_current`` keeps the older grid's rows beside it. Until every
+    config is priced again the key is pending, not a gap between two workloads."""
+    from benchmarks import coverage_check
+    key, rows = _one_grid()
+    later = pd.Timestamp(rows["timestamp"].max()) + pd.Timedelta(hours=1)
+    half = _reprice(rows, len(rows) // 2, later)
+    half["workload_id"] = half["workload_id"].astype(str) + "-new"
+    half["metric"] = half["metric"] * 1.5              # another landscape: its best is not the old one
+    ex = ResultStore(tmp_path / "ex")
+    ex.append(_records(rows))
+    ex.append(_records(half))
+    (tmp_path / "ex" / "complete.json").write_text(json.dumps([key.id()]))
+    assert repriced_in_part(tmp_path / "ex", [key]) == {key.id()}
+    gen = ResultStore(tmp_path / "gen")
+    gen.append(_records(rows_of(half, key)))           # the generation priced the new workload
+    out = tmp_path / "check.md"
+    monkeypatch.setattr(sys, "argv", ["coverage_check.py", "--generated", str(tmp_path / "gen"),
+                                      "--results", str(tmp_path / "ex"), "--out", str(out)])
+    assert coverage_check.main() == 0
+    text = out.read_text()
+    assert not any(line.startswith(f"| {key.id()} |") for line in text.splitlines())
+    pending = next(line for line in text.splitlines() if line.startswith("Pending ("))
+    assert key.id() in pending
