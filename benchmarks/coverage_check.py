@@ -88,12 +88,14 @@ def newest_grid(rows):
     evaluator version, the one landscape a grid is priced in. Rows of another group stay in
     the store (``read_current`` keeps an older version's rows under another workload id, as
     a new mixed workload gives) but are not this grid's."""
-    if not len(rows):
-        return rows
-    last = rows.sort_values("timestamp").iloc[-1]
+    return in_group(rows, rows.sort_values("timestamp").iloc[-1]) if len(rows) else rows
+
+
+def in_group(rows, ref):
+    """``rows`` of ``ref``'s ``GRID_GROUP``: the same kernel hash, workload and evaluator version."""
     m = rows["status"].notna()
     for c in GRID_GROUP:
-        m &= rows[c] == last[c]
+        m &= rows[c] == ref[c]
     return rows[m]
 
 
@@ -213,15 +215,10 @@ def main() -> int:
              "| key | grid configs (priced) | budgeted best (bs, us) | exhaustive best (bs, us) | gap |", "|---|---|---|---|---|"]
     gaps, pending = [], []
     for k in keys:
-        g, e = rows_of(gen, k), rows_of(ex, k)
-        if not len(e) or not len(g) or k.id() not in complete or k.id() in stale:
-            pending.append(k)
-            continue
         every = newest_grid(key_rows(ex, k))   # every config of the grid, priced or not (past a cap, audit incomplete)
         e = rows_of(every, k)
-        g = g[(g["kernel_hash"].isin(set(e["kernel_hash"]))) & (g["workload_id"].isin(set(e["workload_id"])))
-              & (g["evaluator_version"].isin(set(e["evaluator_version"])))]
-        if not len(g):
+        g = in_group(rows_of(gen, k), e.iloc[0]) if len(e) else e   # the budgeted search's rows of that group
+        if not len(e) or not len(g) or k.id() not in complete or k.id() in stale:
             pending.append(k)
             continue
         bg, be = g.loc[g["metric"].idxmin()], e.loc[e["metric"].idxmin()]
