@@ -74,6 +74,7 @@ class KeySection:
     image: str                      # the PNG's file name in the output directory
     table_state: str                # the tables' entry for the key: promoted / not promoted / none
     table_block_sizes: tuple | None
+    table_workload_id: str | None = None    # the entry's workload when another group's (its winner is not this one's)
 
     @property
     def audit_counts(self) -> dict:
@@ -218,8 +219,8 @@ def coverage(df, entries, sections=()) -> Coverage:
                                                      "kv_dtype"), shape)))) if name else shape_name(shape)
         shapes.append(((shape, sw), label + (", sliding window" if sw else "")))
     buckets = sorted(set(matrix.BUCKETS) | {k.max_num_tokens for k in results_keys | old_results | set(table_keys)})
-    anchors = {}
-    for sec in sections:
+    anchors = {}        # a key's cell links its table entry's group first, then its first group
+    for sec in sorted(sections, key=lambda sec: sec.table_workload_id is not None):
         if sec.group.kernel == "rpa-tune":
             anchors.setdefault(sec.group.key_id, sec.anchor)
     by_cell: dict = {}
@@ -268,6 +269,15 @@ def coverage_counts(cov: Coverage) -> str:
     return "; ".join(parts) + "."
 
 
+def entry_on_group(entry, group: Group) -> bool:
+    """Whether a table entry was tuned on ``group``'s workload: its provenance's workload id
+    is the group's, or it records none. A key's results can hold groups of two workloads
+    (a mixed key priced again on the plan's new batch keeps its retired batch's rows,
+    ``coverage.RETIRED_SWEEP_WORKLOADS``); the entry's winner and gain are one group's."""
+    wid = entry.provenance.get("workload_id")
+    return not wid or str(wid) == str(group.workload_id)
+
+
 def gather(df, entries, *, results: str = "", tables: str = "", tpu=None, case=None, backend=None,
            key: str | None = None, limit: int | None = None) -> ReportData:
     """Everything the page shows. ``df``: the results (``ResultStore.read()``); ``entries``:
@@ -288,11 +298,12 @@ def gather(df, entries, *, results: str = "", tables: str = "", tpu=None, case=N
         used.add(anchor)
         e = by_key.get(TuningKey(**g.key)) if g.kernel == "rpa-tune" else None
         state = "none" if e is None else ("promoted" if e.promoted else "not promoted")
+        other = None if e is None or entry_on_group(e, g) else str(e.provenance.get("workload_id"))
         k = g.key
         image = _slug(f"{i + 1:03d}-{k['generation']}-{k['case']}-h{k['num_q_heads']}x{k['num_kv_heads']}-"
                       f"d{k['head_dim']}-{k['kv_dtype']}-p{k['page_size']}-t{k['max_num_tokens']}-{g.backend}") + ".png"
         sections.append(KeySection(g, heatmap_data(g, wrong), anchor, image, state,
-                                   tuple(e.block_sizes) if e is not None else None))
+                                   tuple(e.block_sizes) if e is not None else None, other))
     return ReportData(results=results, tables=tables, sections=sections, coverage=coverage(df, entries, sections),
                       total_groups=total, rows=len(df),
                       generated=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))
@@ -604,7 +615,9 @@ def _render_section(add, s: KeySection) -> None:
         ("gain over the heuristic", _e(_gain_text(g))),
         ("audit (ok rows)", audit),
         ("statuses", statuses or "-"),
-        ("table entry", _e(s.table_state) + (f" {_e(_fmt_bs(s.table_block_sizes))}" if s.table_block_sizes else "")),
+        ("table entry", _e(s.table_state) + (f" {_e(_fmt_bs(s.table_block_sizes))}" if s.table_block_sizes else "")
+         + (f" <span class=\"bad\">(tuned on workload {_e(s.table_workload_id)}, another group's: not this "
+            "heatmap's winner)</span>" if s.table_workload_id else "")),
     ]
     add("<table class=\"kv\">" + "".join(f"<tr><th>{_e(k)}</th><td>{v}</td></tr>" for k, v in rows) + "</table>")
     add(f"<img src=\"{_e(s.image)}\" alt=\"heatmap of {_e(g.key_id)}\" loading=\"lazy\">")

@@ -285,3 +285,35 @@ def test_bad_input_exits_2_with_one_line_and_writes_nothing(name, tmp_path, resu
     r = run(["report", *args, *(["--tables", tables_dir] if "--tables" not in args else [])])
     assert_one_error_line(r, needles)
     assert sorted(tmp_path.rglob("*")) == before
+
+
+def test_a_key_with_two_workloads_shows_the_table_entry_on_its_own_group(tmp_path):
+    """A mixed key priced again on a new batch keeps its retired batch's rows: two groups. The
+    entry's winner is marked on its own workload's group only, and the coverage cell links
+    that group even where the other one comes first on the page."""
+    from rpa_tune.html_report import gather, render_html
+    from rpa_tune.store import ResultStore, config_id
+    k = key("v6e", "mixed", hq=8, hkv=1, d=128, t=512)
+    store = ResultStore(tmp_path / "results")
+    landscapes = {"aaa-retired": {(32, 512, 16, 256): 3.0e-4, (64, 1024, 32, 512): 2.0e-4},
+                  "zzz-current": {(32, 512, 16, 256): 1.0e-4, (64, 1024, 32, 512): 4.0e-4}}
+    for n, (wid, configs) in enumerate(landscapes.items()):
+        for i, (bs, metric) in enumerate(sorted(configs.items())):
+            r = row(k, bs, metric, timestamp=T0 + datetime.timedelta(minutes=n, seconds=i), audit="complete",
+                    is_heuristic=bs == (64, 1024, 32, 512), workload=wid, workload_id=wid, kernel="rpa-tune")
+            r["config_id"] = config_id(k.id(), wid, bs, r["backend"], r["kernel_hash"], "1")
+            store.append([r])
+    e = entry(k, (32, 512, 16, 256), promoted=True, metric=1.0e-4, kernel_hash=SOURCE)
+    e.provenance["workload_id"] = "zzz-current"
+    data = gather(store.read(), [e])
+    by_wid = {s.group.workload_id: s for s in data.sections}
+    assert list(by_wid) == ["aaa-retired", "zzz-current"]          # the page's order: the retired one first
+    # each group's own winner, from its rows
+    assert {w: tuple(int(s.group.best[c]) for c in ("bq", "bkv", "cq", "ckv")) for w, s in by_wid.items()} == \
+        {w: min(c, key=c.get) for w, c in landscapes.items()}
+    assert by_wid["zzz-current"].table_workload_id is None
+    assert by_wid["aaa-retired"].table_workload_id == "zzz-current"
+    [cell] = [c for c in data.coverage.cells.values() if c.keys == [k.id()]]
+    assert cell.state == "tuned" and cell.anchor == by_wid["zzz-current"].anchor
+    page = render_html(data)
+    assert page.count("tuned on workload zzz-current, another group") == 1
