@@ -20,6 +20,7 @@ Writes ``benchmarks/results/coverage_check.md``: per key the two bests, the gap,
 worst gap; keys whose sweeps have not run yet are listed as pending.
 
     python benchmarks/coverage_check.py [--run] [--max-keys N] [--jobs 2] [--case decode] [--key TEXT]
+                                        [--probe-cache DIR]
 
 Without ``--run`` it only reports from the results there are. ``--run --ahead`` also sweeps
 sampled keys the generation has not reached (its probes of them are then cached).
@@ -29,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import random
 import subprocess
 import sys
@@ -130,6 +132,19 @@ def stale_keys(ex, keys) -> set:
     return {k.id() for k in keys if len(rows := rows_of(ex, k)) and exhaustive_version(rows) != current_version(k)}
 
 
+# The exhaustive grids' probe cache (``rpa_tune.estimator.compose``: a few KB of cycles and
+# audit per config), kept in the repository: a grid spans sessions and machines, and a new
+# machine has an empty ``~/.cache``. A key's configs share their probes with the other
+# buckets of its generation, shape and case, and a head_dim under 128 reads its 128-lane
+# twin's (``compose.padded_twin``): v6e Llama-3.2-1B mixed reads Llama-3-8B's.
+PROBE_CACHE = ROOT / "benchmarks" / "results" / "probe-cache"
+
+
+def probe_cache_default() -> Path:
+    from rpa_tune.estimator.compose import CACHE_ENV
+    return Path(os.environ.get(CACHE_ENV) or PROBE_CACHE)
+
+
 def read(path: Path):
     import pandas as pd
     from rpa_tune.store import ResultStore
@@ -161,6 +176,10 @@ def main() -> int:
                     help="--run: only the sampled keys whose id contains TEXT (repeatable; e.g. "
                          "v5e/prefill/qbfloat16-kvbfloat16/h16x2/d128/p256/t2048)")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "coverage_check.md")
+    ap.add_argument("--probe-cache", type=Path, default=probe_cache_default(),
+                    help="--run: the probe cache the sweeps read and write (default $RPA_TUNE_PROBE_CACHE, "
+                         "else the one kept with the check's results, so a later session on a new machine "
+                         "reads the probes this one compiled)")
     a = ap.parse_args()
     keys = sample(a.fraction, a.seed)
     gen = read(a.generated)
@@ -180,6 +199,7 @@ def main() -> int:
     ex = read(a.results)
     stale = stale_keys(ex, keys)
     if a.run:
+        from rpa_tune.estimator.compose import CACHE_ENV
         a.results.mkdir(parents=True, exist_ok=True)
         finished = set(json.loads(marker.read_text())) if marker.exists() else set()
         finished -= stale | repriced_in_part(a.results, keys)   # a re-pricing cut short resumes
@@ -197,7 +217,8 @@ def main() -> int:
             cmd = [sys.executable, "-m", "rpa_tune.cli", "sweep", *args, "--backend", "compile", "--search", "grid",
                    "--budget", "100000", "--jobs", str(a.jobs), "--results", str(a.results)]
             print("===", k.id(), flush=True)
-            r = subprocess.run(cmd, cwd=ROOT, stdin=subprocess.DEVNULL, check=False)
+            r = subprocess.run(cmd, cwd=ROOT, stdin=subprocess.DEVNULL, check=False,
+                               env={**os.environ, CACHE_ENV: str(a.probe_cache)})
             if r.returncode == 0:          # the grid ran to its end: the key's exhaustive best is known
                 done = set(json.loads(marker.read_text())) if marker.exists() else set()
                 marker.write_text(json.dumps(sorted(done | {k.id()}), indent=0) + "\n")

@@ -139,3 +139,35 @@ def test_a_grid_priced_again_under_a_new_workload_is_pending_not_compared(tmp_pa
     assert not any(line.startswith(f"| {key.id()} |") for line in text.splitlines())
     pending = next(line for line in text.splitlines() if line.startswith("Pending ("))
     assert key.id() in pending
+
+
+def test_run_gives_each_sweep_the_probe_cache_named(tmp_path, monkeypatch):
+    """``--run`` sweeps a sampled key with the probe cache the check names (by default the one
+    kept in the repository, so a grid resumed on a new machine reads the probes compiled on
+    the old one), the key's own token bucket, and marks the grid complete when it finishes."""
+    from benchmarks import coverage_check
+    key, rows = _one_grid()
+    gen = ResultStore(tmp_path / "gen")
+    gen.append(_records(rows_of(rows, key)))            # the generation has reached the key
+    calls = []
+
+    def fake_run(cmd, **kw):
+        calls.append((cmd, kw))
+        return type("Done", (), {"returncode": 0})()
+
+    monkeypatch.setattr(coverage_check.subprocess, "run", fake_run)
+    monkeypatch.delenv("RPA_TUNE_PROBE_CACHE", raising=False)
+    assert coverage_check.probe_cache_default() == coverage_check.PROBE_CACHE
+    monkeypatch.setenv("RPA_TUNE_PROBE_CACHE", str(tmp_path / "env-cache"))
+    assert coverage_check.probe_cache_default() == tmp_path / "env-cache"
+    ex = tmp_path / "ex"
+    monkeypatch.setattr(sys, "argv", ["coverage_check.py", "--run", "--key", key.id(), "--generated",
+                                      str(tmp_path / "gen"), "--results", str(ex), "--out", str(tmp_path / "c.md"),
+                                      "--probe-cache", str(tmp_path / "probes")])
+    assert coverage_check.main() == 0
+    assert len(calls) == 1
+    cmd, kw = calls[0]
+    assert kw["env"]["RPA_TUNE_PROBE_CACHE"] == str(tmp_path / "probes")
+    assert cmd[cmd.index("--buckets") + 1] == str(key.max_num_tokens)
+    assert cmd[cmd.index("--results") + 1] == str(ex)
+    assert json.loads((ex / "complete.json").read_text()) == [key.id()]

@@ -411,8 +411,11 @@ def inconsistent_probes(case: Case | str, bs: BlockSizes, page_size: int, probe_
 
 
 # ------------------------------------------------------------------ probing a config
+CACHE_ENV = "RPA_TUNE_PROBE_CACHE"
+
+
 def _cache_dir() -> str:
-    return os.environ.get("RPA_TUNE_PROBE_CACHE") or os.path.join(
+    return os.environ.get(CACHE_ENV) or os.path.join(
         os.path.expanduser("~"), ".cache", "rpa-tune", "probes")
 
 
