@@ -46,7 +46,8 @@ RPA_TUNE = str(Path(sys.executable).with_name("rpa-tune"))
 
 def run_workers(n: int, storage: str | None, d: Path, args, delay: float) -> dict:
     if args.real:       # the real evaluator, every run from an empty probe cache
-        env = dict(os.environ, RPA_TUNE_PROBE_CACHE=str(d / "probes"))
+        from rpa_tune.estimator.compose import CACHE_ENV
+        env = {**os.environ, CACHE_ENV: str(d / "probes")}
     else:
         env = dict(os.environ, RPA_TUNE_EVALUATOR_OVERRIDE="tune_fakes:make_evaluator",
                    RPA_TUNE_KERNEL_HASH="bench-distributed", RPA_TUNE_FAKE_DELAY=str(delay),
