@@ -115,9 +115,9 @@ def repriced_in_part(path: Path, keys) -> set:
 
 
 def current_version(key) -> str:
-    """The compile backend's evaluator version for ``key``'s case today."""
+    """The compile backend's evaluator version for ``key``'s case and generation today."""
     from rpa_tune.evaluators import evaluator_version
-    return evaluator_version("compile", key.case)
+    return evaluator_version("compile", key.case, key.generation)
 
 
 def exhaustive_version(rows) -> str:

@@ -431,7 +431,7 @@ def sweep_context(spec: SweepSpec) -> SweepContext:
     if not kern.is_ours:       # the public kernel's rows record its version, not our kernel's hashes
         prov = dict(prov, kernel_hash=kversion, kernel_source_hash=None)
     prov["kernel"], prov["kernel_version"] = kern.name, kern.version()
-    ev_version = evaluator_version(spec.backend, spec.case)
+    ev_version = evaluator_version(spec.backend, spec.case, spec.generation)
     wid = workload_id(spec.workload)
     if spec.sliding_window is not None:   # another window is another problem (full attention keeps its ids)
         wid = f"{wid}-sw{spec.sliding_window}"

@@ -1388,3 +1388,52 @@ def test_which_estimates_place_the_new_kv_in_vmem():
         assert places_new_kv("v5p", case, QWEN_TP4) and places_new_kv("v5p", case, ModelShape(8, 1, 128))
         assert places_new_kv("v5p", case, LLAMA) == (case == "decode")
         assert places_new_kv("v5p", case, GEMMA_256) == (case == "decode")
+
+
+def test_an_estimate_lowers_the_same_program_whatever_the_tables_and_overrides(monkeypatch):
+    """The other two cases' block sizes pad the operands of the lowered case's program
+    (kernel.api.prepare_inputs): from the tables or RPA_{D,P,M}_BLOCK_SIZES they would make
+    a config's estimate depend on the process's tables (v5p: 3.9 % for one config,
+    rpa_tune.estimator.ours). The estimate's builder takes the heuristic's."""
+    from kernel import analysis, tables as kt
+    from rpa_tune.estimator import ours
+    bs = BlockSizes(64, 512, 64, 512)
+    w = Workload.of_case("mixed", [1, 2, 128], [257, 130, 128])
+    req = dict(_request("mixed", w, bs, "v5p"), options={"vmem_limit_bytes": 32 << 20})
+    for var in ("RPA_D_BLOCK_SIZES", "RPA_P_BLOCK_SIZES", "RPA_M_BLOCK_SIZES"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("RPA_TABLE", "none")
+    kt.reset()
+    try:
+        plain = ours.lower(**req)[0].as_text()
+        direct = lambda: analysis.lower_for_estimate(w, bs, "v5p", LLAMA, LIM, "mixed",
+                                                     vmem_limit_bytes=32 << 20).as_text()
+        assert direct() == plain
+        monkeypatch.setenv("RPA_P_BLOCK_SIZES", "512,2048,64,512")
+        monkeypatch.setenv("RPA_D_BLOCK_SIZES", "8,2048,8,512")
+        assert direct() != plain               # the padding follows the overrides ...
+        assert ours.lower(**req)[0].as_text() == plain      # ... but not in an estimate
+    finally:
+        kt.reset()
+
+
+@pytest.mark.parametrize("tpu", ["v5p", "tpu7x", "v6e"])
+def test_every_probe_request_is_one_the_builder_takes(tpu, monkeypatch, tmp_path):
+    """The cache key's extra fields (``other_cases`` on the generations whose programs the
+    padding moved, ...) never reach the builder: each request binds to its signature."""
+    import inspect
+    from rpa_tune.estimator import ours
+    monkeypatch.setenv(compose.CACHE_ENV, str(tmp_path))
+    seen = []
+
+    def fake(builder, request, **kw):
+        seen.append(request)
+        inspect.signature(ours.lower).bind(**request)          # raises on an unknown field
+        return {"status": "compile_error", "message": "fake", "cycles": 0}
+    monkeypatch.setattr(profiler, "profile", fake)
+    for case, bs in (("decode", BlockSizes(1, 1024, 1, 512)), ("mixed", BlockSizes(64, 512, 64, 512))):
+        r = compose.probe_config(builder=compose.OURS, case=case, bs=bs, tpu=tpu,
+                                 model=dataclasses.asdict(LLAMA), limits=dataclasses.asdict(LIM),
+                                 options={"vmem_limit_bytes": 32 << 20})
+        assert r["status"] == "compile_error"
+    assert len(seen) >= 2

@@ -111,6 +111,25 @@ def test_precedence_explicit_env_table_heuristic(tmp_path, monkeypatch, isolated
     assert _resolve(k) == (heur, "heuristic")
 
 
+def test_heuristic_only_ignores_tables_and_overrides_until_it_ends(tmp_path, monkeypatch, isolated_tables):
+    k = key(t=64)
+    heur, _ = _heuristic(k)
+    tabled = (1, 512, 1, 256) if tuple(heur) != (1, 512, 1, 256) else (1, 256, 1, 256)
+    table(entry(k, tabled)).write_json(tmp_path / "t.json")
+    isolated_tables(tmp_path / "t.json")
+    assert tuple(_resolve(k)[0]) == tabled             # memoised before the block, too
+    with kt.heuristic_only():
+        assert kt.heuristics_only()
+        assert _resolve(k) == (heur, "heuristic")
+        monkeypatch.setenv("RPA_D_BLOCK_SIZES", "1,2048,1,1024")
+        assert _resolve(k) == (heur, "heuristic")
+        assert _resolve(k, explicit=(1, 128, 1, 128)) == (BlockSizes(1, 128, 1, 128), "explicit")
+    assert not kt.heuristics_only()
+    assert _resolve(k) == (BlockSizes(1, 2048, 1, 1024), "env:RPA_D_BLOCK_SIZES")
+    monkeypatch.delenv("RPA_D_BLOCK_SIZES")
+    assert tuple(_resolve(k)[0]) == tabled
+
+
 @pytest.mark.parametrize("value", ["1,2,3", "a,b,c,d", "1,1024,1,0", "1;1024;1", "1,1024,1,512,7"])
 def test_malformed_env_raises_naming_variable(value, monkeypatch, isolated_tables):
     monkeypatch.setenv("RPA_D_BLOCK_SIZES", value)

@@ -262,6 +262,14 @@ def test_a_sweep_records_its_cases_evaluator_version(monkeypatch):
     for case in cases:
         same = after[case].config_id(bs) == before[case].config_id(bs)
         assert same == (case != "mixed"), case
+    # a generation's own version: its keys' ids change, every case's; another generation's stay
+    monkeypatch.setattr(cls, "generation_versions", {"v6e": "9"})
+    gen = {case: sweep_context(spec(case)) for case in cases}
+    assert gen["decode"].ev_version == f"compile-{cls.version}+v6e9"
+    assert gen["mixed"].ev_version == "compile-test-9+v6e9"
+    assert all(gen[c].config_id(bs) != after[c].config_id(bs) for c in cases)
+    monkeypatch.setattr(cls, "generation_versions", {"v5p": "9"})
+    assert all(sweep_context(spec(c)).config_id(bs) == after[c].config_id(bs) for c in cases)
 
 
 def test_a_crashed_heuristic_is_evaluated_again_on_resume(fake, monkeypatch, tmp_path):

@@ -178,8 +178,9 @@ def composition_error(case: Case | str, bs: BlockSizes, evaluator_version: str |
     within 0.4 %) even so."""
     if Case.parse(case) != Case.PREFILL:
         return 0.0
-    ver = str(evaluator_version or "")
-    if ver.startswith("compile-") and ver[8:].isdigit() and int(ver[8:]) >= PREFILL_LONG_WALK_VERSION:
+    import re
+    m = re.match(r"compile-(\d+)(\+|$)", str(evaluator_version or ""))   # "compile-7", "compile-7+v5p1"
+    if m and int(m.group(1)) >= PREFILL_LONG_WALK_VERSION:
         return 0.0
     return next((e for bq, e in PREFILL_UNDERPRICED if bs.bq <= bq), 0.0)
 
@@ -489,7 +490,7 @@ def probe_config(*, builder: str, case: Case | str, bs: BlockSizes, tpu: str, mo
     import json
     import time
     from kernel.workload import ModelShape
-    from . import audit as audit_mod, profiler
+    from . import audit as audit_mod, ours, profiler
     from .calibration import calibration
     from rpa_tune.provenance import kernel_hash
     case = Case.parse(case)
@@ -522,6 +523,8 @@ def probe_config(*, builder: str, case: Case | str, bs: BlockSizes, tpu: str, mo
         doc["mixed_warm_up"] = True             # (decode and prefill keep their probes and cache keys)
     if case == Case.PREFILL and builder == OURS:
         doc["long_walk"] = True                 # (``long_walk_probe``; the public kernel's are unchanged)
+    if builder == OURS and get_generation(tpu).name in ours.PADDING_SENSITIVE:
+        doc["other_cases"] = "heuristic"        # (``ours`` module doc; the others' cycles kept)
     walk_new = builder != OURS and case == Case.DECODE      # its decode probes differ (pipeline_steps)
     if builder != OURS:
         # its probes' audit counts run-time-sized page DMAs at one page (audit doc), and its
@@ -599,7 +602,7 @@ def probe_config(*, builder: str, case: Case | str, bs: BlockSizes, tpu: str, mo
         req = dict(doc, workload=dict(q_lens=list(w.q_lens), kv_lens=list(w.kv_lens),
                                       distribution=list(w.distribution)), block_sizes=list(bs))
         for k in ("builder", "bs", "profiler", "walk_new", "public_audit", "libtpu_args", "partial_probe",
-                  "mixed_warm_up", "long_walk"):
+                  "mixed_warm_up", "long_walk", "other_cases"):
             req.pop(k, None)
         if lost is not None:
             req["place_new_kv"] = True

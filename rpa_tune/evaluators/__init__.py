@@ -38,15 +38,18 @@ def get_evaluator(backend: str) -> Evaluator:
     return evaluator_class(backend)()
 
 
-def evaluator_version(backend: str, case: str | None = None) -> str:
-    """Version string of a backend's evaluator for ``case``'s keys (part of ``config_id``),
-    without instantiating it: the case's own (``Evaluator.case_versions``) or the evaluator's."""
+def evaluator_version(backend: str, case: str | None = None, generation: str | None = None) -> str:
+    """Version string of a backend's evaluator for ``case``'s keys on ``generation`` (part of
+    ``config_id``), without instantiating it: the case's own (``Evaluator.case_versions``) or
+    the evaluator's, then ``+<generation><n>`` where the generation has its own
+    (``Evaluator.generation_versions``), e.g. "compile-6+v5p1"."""
     override = os.environ.get(EVALUATOR_OVERRIDE_ENV)
     if override:
         return "override:" + override
     cls = evaluator_class(backend)
     version = cls.case_versions.get(Case.parse(case).value, cls.version) if case is not None else cls.version
-    return f"{cls.name}-{version}"
+    gen = cls.generation_versions.get(generation) if generation is not None else None
+    return f"{cls.name}-{version}" + (f"+{generation}{gen}" if gen else "")
 
 
 __all__ = ["BACKENDS", "COMPILE_ERROR", "CRASH", "OK", "STATUSES", "TIMEOUT", "VMEM_OOM", "WRONG_RESULT",

@@ -120,6 +120,9 @@ class Evaluator(abc.ABC):
     # a case whose pricing alone changed: its own version, so a new one re-prices that
     # case's keys only (``rpa_tune.evaluators.evaluator_version``)
     case_versions: dict = {}
+    # a generation whose pricing alone changed: its own version, appended to the case's, so
+    # a new one re-prices that generation's keys only
+    generation_versions: dict = {}
 
     @abc.abstractmethod
     def evaluate(self, task: Task) -> EvalResult: ...

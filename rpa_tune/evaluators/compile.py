@@ -51,6 +51,10 @@ class CompileEvaluator(Evaluator):
     #                                  kernel's are unchanged, so its mixed rows re-price alike
                      "prefill": "7"}  # 7: our prefill probes end with a long KV walk
     #                                  (compose.long_walk_probe, PREFILL_LONG_WALK_VERSION)
+    # 1: our probes pad their operands for the other two cases by the heuristic's sizes, not
+    #    the tables' (rpa_tune.estimator.ours, PADDING_SENSITIVE: these generations' programs
+    #    moved with that padding)
+    generation_versions = {"v5p": "1", "tpu7x": "1"}
 
     def __init__(self, *, profile: bool = True):
         self.profile = profile   # False: VMEM verdict only (plain compile, no estimate)
