@@ -119,12 +119,12 @@ def test_heuristic_only_ignores_tables_and_overrides_until_it_ends(tmp_path, mon
     isolated_tables(tmp_path / "t.json")
     assert tuple(_resolve(k)[0]) == tabled             # memoised before the block, too
     with kt.heuristic_only():
-        assert kt.heuristics_only()
+        assert kt.heuristic_only_active()
         assert _resolve(k) == (heur, "heuristic")
         monkeypatch.setenv("RPA_D_BLOCK_SIZES", "1,2048,1,1024")
         assert _resolve(k) == (heur, "heuristic")
         assert _resolve(k, explicit=(1, 128, 1, 128)) == (BlockSizes(1, 128, 1, 128), "explicit")
-    assert not kt.heuristics_only()
+    assert not kt.heuristic_only_active()
     assert _resolve(k) == (BlockSizes(1, 2048, 1, 1024), "env:RPA_D_BLOCK_SIZES")
     monkeypatch.delenv("RPA_D_BLOCK_SIZES")
     assert tuple(_resolve(k)[0]) == tabled

@@ -42,9 +42,8 @@ from .index import Match, TableIndex
 from .loading import LoadedTables, load_tables, shipped_table_dir, tuned_for_another_kernel
 from .schema import (DEFAULT_KERNEL, KERNEL_NAMES, KEY_FIELDS, METHODS, PROVENANCE_FIELDS, PUBLIC_KERNEL,
                      SCHEMA_VERSION, Entry, Table, TableError, read_regular_file, table_kernel)
-from .state import (_lookup_cached, block_sizes_for, epoch, heuristic_only, heuristics_only, key_for, loaded,
-                    lookup_block_sizes, lookup_entry,
-                    reload, reset)
+from .state import (_lookup_cached, block_sizes_for, epoch, heuristic_only, heuristic_only_active, key_for,
+                    loaded, lookup_block_sizes, lookup_entry, reload, reset)
 
 __all__ = [
     "SCHEMA_VERSION", "Entry", "Table", "TableError", "TableIndex", "ENV_BLOCK_SIZES", "ENV_TABLE",
@@ -52,5 +51,6 @@ __all__ = [
     "load_tables", "loaded", "lookup_block_sizes", "lookup_entry", "reload", "reset", "shipped_table_dir",
     "epoch", "KEY_FIELDS", "METHODS", "PROVENANCE_FIELDS", "KERNEL_SOURCE_FILES", "LoadedTables", "Match",
     "read_regular_file", "DEFAULT_KERNEL", "PUBLIC_KERNEL", "KERNEL_NAMES", "table_kernel", "block_sizes_for",
-    "ENV_PUBLIC_BLOCK_SIZES", "ENV_PUBLIC_TABLE", "tuned_for_another_kernel", "heuristic_only", "heuristics_only",
+    "ENV_PUBLIC_BLOCK_SIZES", "ENV_PUBLIC_TABLE", "tuned_for_another_kernel", "heuristic_only",
+    "heuristic_only_active",
 ]

@@ -28,7 +28,7 @@ def epoch() -> int:
     return _epoch
 
 
-def heuristics_only() -> bool:
+def heuristic_only_active() -> bool:
     """Whether a ``heuristic_only`` block is open: no table entry and no
     ``RPA_{D,P,M}_BLOCK_SIZES`` override resolves a case's block sizes."""
     return _heuristic_only > 0

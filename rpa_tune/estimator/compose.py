@@ -30,6 +30,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import os
+import re
 import threading
 
 import numpy as np
@@ -178,7 +179,6 @@ def composition_error(case: Case | str, bs: BlockSizes, evaluator_version: str |
     within 0.4 %) even so."""
     if Case.parse(case) != Case.PREFILL:
         return 0.0
-    import re
     m = re.match(r"compile-(\d+)(\+|$)", str(evaluator_version or ""))   # "compile-7", "compile-7+v5p1"
     if m and int(m.group(1)) >= PREFILL_LONG_WALK_VERSION:
         return 0.0

@@ -33,10 +33,10 @@ K/V / output operands by the largest ``bq`` / ``bkv`` of all three cases
 or ``RPA_{D,P,M}_BLOCK_SIZES`` of the process that lowers. On v5p the padding moves the
 kernel's cycles (its operands may sit in VMEM): the v5p Llama-3-8B mixed probes of
 (64, 512, 64, 512) cost 40,141 and 45,369 cycles under the tables of 2026-11-29 (prefill
-(256, 256, 64, 256) at the probes' budget) and 41,312 and 46,548 under those of 2026-12-06, so the
-same config's estimate moved 3.9 % as the tables it was tuning were rewritten. So the
-other cases take the heuristic's sizes (``kernel.tables.heuristic_only``): an estimate
-depends on its config, shape, workload and generation only.
+(256, 256, 64, 256) at the probes' budget) and 41,312 and 46,548 under those of
+2026-12-06, so the same config's estimate moved 3.9 % as the tables it was tuning were
+rewritten. So the other cases take the heuristic's sizes (``kernel.tables.heuristic_only``):
+an estimate depends on its config, shape, workload and generation only.
 """
 from __future__ import annotations
 

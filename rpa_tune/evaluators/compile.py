@@ -37,6 +37,7 @@ import time
 
 from kernel.config import get_generation
 
+from ..estimator.ours import PADDING_SENSITIVE
 from . import base
 from .base import EvalResult, Evaluator, Task
 
@@ -54,7 +55,7 @@ class CompileEvaluator(Evaluator):
     # 1: our probes pad their operands for the other two cases by the heuristic's sizes, not
     #    the tables' (rpa_tune.estimator.ours, PADDING_SENSITIVE: these generations' programs
     #    moved with that padding)
-    generation_versions = {"v5p": "1", "tpu7x": "1"}
+    generation_versions = {g: "1" for g in PADDING_SENSITIVE}
 
     def __init__(self, *, profile: bool = True):
         self.profile = profile   # False: VMEM verdict only (plain compile, no estimate)
