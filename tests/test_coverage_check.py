@@ -116,6 +116,27 @@ def test_the_report_counts_the_grid_configs_it_could_not_price(tmp_path, monkeyp
     assert row.endswith("| +0.00% |")
 
 
+def test_a_last_bit_below_the_grid_best_is_no_negative_gap(tmp_path, monkeypatch):
+    """The same config priced by the budgeted search and by the grid can differ in the last
+    bit of its estimate (the fit's float order): the gap prints as +0.00%, not -0.00%."""
+    import numpy as np
+    from benchmarks import coverage_check
+    key, rows = _one_grid()
+    priced = rows_of(rows, key)
+    ex = ResultStore(tmp_path / "ex")
+    ex.append(_records(priced))
+    (tmp_path / "ex" / "complete.json").write_text(json.dumps([key.id()]))
+    best = priced.loc[[priced["metric"].idxmin()]].copy()
+    best["metric"] = np.nextafter(float(best["metric"].iloc[0]), 0.0)     # one bit below the grid's
+    ResultStore(tmp_path / "gen").append(_records(best))
+    out = tmp_path / "check.md"
+    monkeypatch.setattr(sys, "argv", ["coverage_check.py", "--generated", str(tmp_path / "gen"),
+                                      "--results", str(tmp_path / "ex"), "--out", str(out)])
+    assert coverage_check.main() == 0
+    row = next(line for line in out.read_text().splitlines() if line.startswith(f"| {key.id()} |"))
+    assert row.endswith("| +0.00% |")
+
+
 def test_a_grid_priced_again_under_a_new_workload_is_pending_not_compared(tmp_path, monkeypatch):
     """A new evaluator version that also changes the workload (a new mixed workload) starts a
     group of its own: ``read_current`` keeps the older grid's rows beside it. Until every
