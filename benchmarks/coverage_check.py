@@ -243,8 +243,8 @@ def main() -> int:
             pending.append(k)
             continue
         bg, be = g.loc[g["metric"].idxmin()], e.loc[e["metric"].idxmin()]
-        # the same config priced twice in one group can differ in the last bit (the fit's float
-        # order); rounding that away keeps it from printing as "-0.00%"
+        # the same config priced twice in one group can differ in the last bit (the least-squares
+        # fit's rounding); rounding that away keeps it from printing as "-0.00%"
         gap = round(bg["metric"] / be["metric"] - 1, 9) + 0.0
         gaps.append(gap)
         fmt = lambda r: f"({r['bq']}, {r['bkv']}, {r['cq']}, {r['ckv']}) {r['metric'] * 1e6:.1f}"

@@ -118,7 +118,7 @@ def test_the_report_counts_the_grid_configs_it_could_not_price(tmp_path, monkeyp
 
 def test_a_last_bit_below_the_grid_best_is_no_negative_gap(tmp_path, monkeypatch):
     """The same config priced by the budgeted search and by the grid can differ in the last
-    bit of its estimate (the fit's float order): the gap prints as +0.00%, not -0.00%."""
+    bit of its estimate (the least-squares fit's rounding): the gap prints as +0.00%, not -0.00%."""
     import numpy as np
     from benchmarks import coverage_check
     key, rows = _one_grid()
