@@ -269,13 +269,13 @@ def coverage_counts(cov: Coverage) -> str:
     return "; ".join(parts) + "."
 
 
-def entry_on_group(entry, group: Group) -> bool:
-    """Whether a table entry was tuned on ``group``'s workload: its provenance's workload id
-    is the group's, or it records none. A key's results can hold groups of two workloads
-    (a mixed key priced again on the plan's new batch keeps its retired batch's rows,
+def other_workload(entry, group: Group) -> str | None:
+    """The workload id a table entry was tuned on when it is not ``group``'s, else None (also
+    when the entry records none). A key's results can hold groups of two workloads (a mixed
+    key priced again on the plan's new batch keeps its retired batch's rows,
     ``coverage.RETIRED_SWEEP_WORKLOADS``); the entry's winner and gain are one group's."""
     wid = entry.provenance.get("workload_id")
-    return not wid or str(wid) == str(group.workload_id)
+    return None if not wid or str(wid) == str(group.workload_id) else str(wid)
 
 
 def gather(df, entries, *, results: str = "", tables: str = "", tpu=None, case=None, backend=None,
@@ -298,7 +298,7 @@ def gather(df, entries, *, results: str = "", tables: str = "", tpu=None, case=N
         used.add(anchor)
         e = by_key.get(TuningKey(**g.key)) if g.kernel == "rpa-tune" else None
         state = "none" if e is None else ("promoted" if e.promoted else "not promoted")
-        other = None if e is None or entry_on_group(e, g) else str(e.provenance.get("workload_id"))
+        other = None if e is None else other_workload(e, g)
         k = g.key
         image = _slug(f"{i + 1:03d}-{k['generation']}-{k['case']}-h{k['num_q_heads']}x{k['num_kv_heads']}-"
                       f"d{k['head_dim']}-{k['kv_dtype']}-p{k['page_size']}-t{k['max_num_tokens']}-{g.backend}") + ".png"
