@@ -10,7 +10,8 @@ Method:
    arguments (``rpa_tune.coverage.Sweep.args``: workload, page size, limits), into its own
    results directory (``--results``, default ``benchmarks/results/exhaustive``): the shipped
    tables stay the budgeted search's. Resumable; the probes of configs the generation
-   already compiled come from the probe cache, and the sampled buckets of one
+   already compiled come from the probe cache (the user's cache directory, or
+   ``$RPA_TUNE_PROBE_CACHE``, or ``--probe-cache``), and the sampled buckets of one
    generation / shape / case share theirs.
 3. Gap = the budgeted search's best metric for the key (the best ``ok`` row of its
    generation results, same kernel hash and workload as the exhaustive rows) / the
@@ -132,17 +133,12 @@ def stale_keys(ex, keys) -> set:
     return {k.id() for k in keys if len(rows := rows_of(ex, k)) and exhaustive_version(rows) != current_version(k)}
 
 
-# The exhaustive grids' probe cache (``rpa_tune.estimator.compose``: a few KB of cycles and
-# audit per config), kept in the repository: a grid spans sessions and machines, and a new
-# machine has an empty ``~/.cache``. A key's configs share their probes with the other
-# buckets of its generation, shape and case, and a head_dim under 128 reads its 128-lane
-# twin's (``compose.padded_twin``): v6e Llama-3.2-1B mixed reads Llama-3-8B's.
-PROBE_CACHE = ROOT / "benchmarks" / "results" / "probe-cache"
-
-
-def probe_cache_default() -> Path:
+def probe_cache_env(probe_cache: Path | None) -> dict:
+    """The environment of one ``--run`` sweep: ``probe_cache`` as its probe cache when
+    named, else the sweep's default (``$RPA_TUNE_PROBE_CACHE``, or the user's cache
+    directory: a regenerable cache, kept out of the repository)."""
     from rpa_tune.estimator.compose import CACHE_ENV
-    return Path(os.environ.get(CACHE_ENV) or PROBE_CACHE)
+    return {**os.environ, CACHE_ENV: str(probe_cache)} if probe_cache is not None else dict(os.environ)
 
 
 def read(path: Path):
@@ -176,10 +172,9 @@ def main() -> int:
                     help="--run: only the sampled keys whose id contains TEXT (repeatable; e.g. "
                          "v5e/prefill/qbfloat16-kvbfloat16/h16x2/d128/p256/t2048)")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "coverage_check.md")
-    ap.add_argument("--probe-cache", type=Path, default=probe_cache_default(),
-                    help="--run: the probe cache the sweeps read and write (default $RPA_TUNE_PROBE_CACHE, "
-                         "else the one kept with the check's results, so a later session on a new machine "
-                         "reads the probes this one compiled)")
+    ap.add_argument("--probe-cache", type=Path, default=None,
+                    help="--run: the probe cache the sweeps read and write (default: the sweep's own, "
+                         "$RPA_TUNE_PROBE_CACHE or the user's cache directory)")
     a = ap.parse_args()
     keys = sample(a.fraction, a.seed)
     gen = read(a.generated)
@@ -199,7 +194,6 @@ def main() -> int:
     ex = read(a.results)
     stale = stale_keys(ex, keys)
     if a.run:
-        from rpa_tune.estimator.compose import CACHE_ENV
         a.results.mkdir(parents=True, exist_ok=True)
         finished = set(json.loads(marker.read_text())) if marker.exists() else set()
         finished -= stale | repriced_in_part(a.results, keys)   # a re-pricing cut short resumes
@@ -218,7 +212,7 @@ def main() -> int:
                    "--budget", "100000", "--jobs", str(a.jobs), "--results", str(a.results)]
             print("===", k.id(), flush=True)
             r = subprocess.run(cmd, cwd=ROOT, stdin=subprocess.DEVNULL, check=False,
-                               env={**os.environ, CACHE_ENV: str(a.probe_cache)})
+                               env=probe_cache_env(a.probe_cache))
             if r.returncode == 0:          # the grid ran to its end: the key's exhaustive best is known
                 done = set(json.loads(marker.read_text())) if marker.exists() else set()
                 marker.write_text(json.dumps(sorted(done | {k.id()}), indent=0) + "\n")

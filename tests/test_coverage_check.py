@@ -165,9 +165,9 @@ def test_a_grid_priced_again_under_a_new_workload_is_pending_not_compared(tmp_pa
 
 
 def test_run_gives_each_sweep_the_probe_cache_named(tmp_path, monkeypatch):
-    """``--run`` sweeps a sampled key with the probe cache the check names (by default the one
-    kept in the repository, so a grid resumed on a new machine reads the probes compiled on
-    the old one), the key's own token bucket, and marks the grid complete when it finishes."""
+    """``--run`` sweeps a sampled key with the probe cache the check names (by default the
+    sweep's own: ``$RPA_TUNE_PROBE_CACHE`` or the user's cache directory, never one in the
+    repository), the key's own token bucket, and marks the grid complete when it finishes."""
     from benchmarks import coverage_check
     key, rows = _one_grid()
     gen = ResultStore(tmp_path / "gen")
@@ -180,9 +180,9 @@ def test_run_gives_each_sweep_the_probe_cache_named(tmp_path, monkeypatch):
 
     monkeypatch.setattr(coverage_check.subprocess, "run", fake_run)
     monkeypatch.delenv("RPA_TUNE_PROBE_CACHE", raising=False)
-    assert coverage_check.probe_cache_default() == coverage_check.PROBE_CACHE
+    assert "RPA_TUNE_PROBE_CACHE" not in coverage_check.probe_cache_env(None)      # the sweep's default
     monkeypatch.setenv("RPA_TUNE_PROBE_CACHE", str(tmp_path / "env-cache"))
-    assert coverage_check.probe_cache_default() == tmp_path / "env-cache"
+    assert coverage_check.probe_cache_env(None)["RPA_TUNE_PROBE_CACHE"] == str(tmp_path / "env-cache")
     ex = tmp_path / "ex"
     monkeypatch.setattr(sys, "argv", ["coverage_check.py", "--run", "--key", key.id(), "--generated",
                                       str(tmp_path / "gen"), "--results", str(ex), "--out", str(tmp_path / "c.md"),
