@@ -1,6 +1,8 @@
-"""The README stays a front page: short, the two commands verbatim, measured claims only
-by link to benchmarks/README.md, and every relative link resolves."""
+"""The docs stay reference: the README a short front page with the two commands verbatim and
+no measured figures of its own, each docs page short, the history in one dated notebook, and
+every relative link (and the heading a link names) resolving."""
 import re
+import unicodedata
 from pathlib import Path
 
 import pytest
@@ -8,6 +10,11 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 README = (REPO / "README.md").read_text()
 DOCS = sorted((REPO / "docs").glob("*.md"))
+NOTEBOOK = REPO / "notebook.md"
+BENCHMARKS = REPO / "benchmarks" / "README.md"
+LINKED = [REPO / "README.md", *DOCS, BENCHMARKS, REPO / "benchmarks" / "calibration.md"]
+
+LINK = re.compile(r"\]\(([^)\s]+)\)")
 
 
 def test_readme_is_short_with_the_two_commands():
@@ -24,9 +31,75 @@ def test_readme_repeats_no_measured_figures():
     assert not figures, figures
 
 
-@pytest.mark.parametrize("doc", [REPO / "README.md", *DOCS], ids=lambda p: p.name)
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+def test_docs_pages_are_short(doc):
+    assert len(doc.read_text().splitlines()) <= 400, doc.name
+
+
+def test_notebook_holds_dated_sections_newest_first():
+    """History goes to one notebook, its sections headed by an ISO date, newest first."""
+    text = NOTEBOOK.read_text()
+    dates = re.findall(r"^## (\d{4}-\d{2}-\d{2})\b", text, flags=re.M)
+    assert dates, "notebook.md has no dated section"
+    assert dates == sorted(dates, reverse=True), dates
+
+
+def slug(heading):
+    """The anchor GitHub gives a heading: lower case, punctuation dropped, spaces to hyphens."""
+    text = re.sub(r"`|\*\*|\[([^\]]*)\]\([^)]*\)", r"\1", heading.strip()).lower()
+    kept = "".join(c for c in text if c in " -_" or unicodedata.category(c)[0] in "LN")
+    return kept.replace(" ", "-")
+
+
+def anchors(path):
+    found, fence = set(), False
+    for line in path.read_text().splitlines():
+        if line.startswith("```"):
+            fence = not fence
+        elif not fence and (m := re.match(r"#{1,6} (.+)", line)):
+            base = slug(m.group(1))
+            n = 0
+            while (name := base if n == 0 else f"{base}-{n}") in found:
+                n += 1
+            found.add(name)
+    return found
+
+
+def test_slug_follows_github():
+    assert slug("## `rpa-tune export`, `--check`, `diff`"[3:]) == "rpa-tune-export---check-diff"
+    assert slug("Composition for tpu-inference's RPA v3") == "composition-for-tpu-inferences-rpa-v3"
+    assert slug("New K/V placement on v5p") == "new-kv-placement-on-v5p"
+    assert slug("Padded head_dim") == "padded-head_dim"
+
+
+@pytest.mark.parametrize("doc", LINKED, ids=lambda p: str(p.relative_to(REPO)))
 def test_relative_links_resolve(doc):
-    for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", doc.read_text()):
-        if "://" in target:
+    """Every relative link names an existing file, and a `#anchor` an existing heading."""
+    for target in LINK.findall(doc.read_text()):
+        if "://" in target or target.startswith("mailto:"):
             continue
-        assert (doc.parent / target).exists(), f"{doc.name}: broken link {target}"
+        path, _, frag = target.partition("#")
+        dest = (doc.parent / path) if path else doc
+        assert dest.exists(), f"{doc.name}: broken link {target}"
+        if frag and dest.suffix == ".md":
+            assert frag in anchors(dest), f"{doc.name}: no heading for {target}"
+
+
+def test_headings_code_and_tests_name_exist():
+    """Code, scripts and tests cite doc sections by title (e.g. benchmarks/README.md, "Small q
+    blocks"): each cited title must still begin a heading of that page."""
+    cites = re.compile(r"((?:docs|benchmarks)/[A-Za-z_]+\.md)[`']*,?\s*\(?\"([A-Z][^\"]+)\"")
+    pages = {}
+    for src in [*REPO.glob("rpa_tune/**/*.py"), *REPO.glob("kernel/**/*.py"),
+                *REPO.glob("benchmarks/*.py"), *REPO.glob("tests/*.py"), *REPO.glob("tables/*.sh")]:
+        if src.name == "test_docs.py":
+            continue
+        text = re.sub(r"\s*\n\s*#?\s*", " ", src.read_text())
+        for page, title in cites.findall(text):
+            if (REPO / page).exists():
+                pages.setdefault(page, set()).add(title.strip())
+    assert pages, "no citation found: the pattern is stale"
+    for page, titles in pages.items():
+        headings = [m.group(1) for m in re.finditer(r"^#{1,6} (.+)$", (REPO / page).read_text(), re.M)]
+        for title in titles:
+            assert any(h.replace("`", "").startswith(title) for h in headings), f"{page}: no heading {title!r}"
