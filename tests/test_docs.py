@@ -12,7 +12,7 @@ README = (REPO / "README.md").read_text()
 DOCS = sorted((REPO / "docs").glob("*.md"))
 NOTEBOOK = REPO / "notebook.md"
 BENCHMARKS = REPO / "benchmarks" / "README.md"
-LINKED = [REPO / "README.md", *DOCS, BENCHMARKS, REPO / "benchmarks" / "calibration.md"]
+LINKED = [REPO / "README.md", *DOCS, BENCHMARKS, REPO / "benchmarks" / "calibration.md", NOTEBOOK]
 
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 
