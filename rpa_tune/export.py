@@ -595,16 +595,11 @@ def changed_fields(a: Entry, b: Entry) -> list[str]:
 
 
 # ------------------------------------------------------------------------------ compact
-def compact_results(directory, name: str = "results.parquet") -> Path:
-    """Merge every top-level ``*.parquet`` of a results directory (one file per evaluation,
-    as ``rpa-tune sweep`` writes them) into ``name``, rows sorted, then remove the merged
-    files. Rows are unchanged, so exports and sweep resumption see the same data."""
-    from .store import read_results_table, replace_results
-    d = Path(directory)
-    files = sorted(p for p in d.glob("*.parquet") if p.is_file())
-    if not files:
-        raise FileNotFoundError(f"no Parquet files in {d}")
-    got = read_results_table(files)
-    bad = {Path(f) for f, _ in got.damaged}
-    # a damaged file is left in place, never deleted
-    return replace_results(d, got.table, [p for p in files if p not in bad], name)
+def compact_results(directory) -> list[Path]:
+    """Merge the small parts of a results directory (one file per evaluation, as
+    ``rpa-tune sweep`` writes them) into new compacted parts and remove them
+    (``rpa_tune.store.compact``: existing compacted parts are never rewritten). Rows are
+    unchanged except for the diagnostic columns no table reads, so exports and sweep
+    resumption see the same data."""
+    from .store import compact
+    return compact(directory)

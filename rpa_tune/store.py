@@ -8,6 +8,12 @@ fsynced and then atomically renamed into place, so a sweep killed at any moment 
 (``SCHEMA``); read with ``ResultStore.read()`` (which also tolerates files from older
 schema versions by filling missing columns with nulls).
 
+Compaction (``compact``) is append-only too: it merges the small parts a sweep wrote into
+new ``compact-*.parquet`` parts (zstd, rows in time order, one generation each, each under
+``COMPACT_MAX_BYTES``, without the ``DIAGNOSTIC_COLUMNS``), then removes only the parts it
+merged. An existing compacted part is never rewritten, so a results directory kept in git
+grows by new small files and no commit rewrites a large one.
+
 Resume: ``config_id`` hashes key (with the tuned kernel) + workload + block sizes + backend
 + kernel version (``rpa_tune.kernels.TunedKernel.config_version``) + evaluator version; a config whose id is already stored with any status is not evaluated
 again (``--retry STATUS`` re-evaluates the chosen statuses).
@@ -189,8 +195,14 @@ def read_results_table(paths) -> ResultsRead:
     (older files: missing columns are null; unknown columns are ignored). The one policy
     for a damaged file (not Parquet, truncated, a column of an incompatible type): it is
     skipped, named in ``damaged`` and logged as a warning; the other files are read."""
-    import pyarrow.dataset as ds
     files = result_files(paths)
+    table, damaged = _read_files(files)
+    return ResultsRead(table, files, damaged)
+
+
+def _read_files(files) -> tuple[pa.Table, list]:
+    """The rows of ``files`` as recorded, conformed to ``SCHEMA``, and the damaged files."""
+    import pyarrow.dataset as ds
     tables, damaged = [], []
     for f in files:
         try:
@@ -199,29 +211,103 @@ def read_results_table(paths) -> ResultsRead:
             reason = " ".join(str(e).split())[:300]
             damaged.append((str(f), reason))
             log.warning("rpa-tune results: skipping damaged file %s: %s", f, reason)
-    table = pa.concat_tables(tables) if tables else SCHEMA.empty_table()
-    return ResultsRead(table, files, damaged)
+    return (pa.concat_tables(tables) if tables else SCHEMA.empty_table()), damaged
 
 
-def replace_results(directory, table: pa.Table, merged, name: str = "results.parquet") -> Path:
-    """Write ``table`` (rows sorted by key, config and time) as ``directory/name`` through a
-    temporary file and an atomic rename, then remove the ``merged`` files it replaces. The
-    one rewrite of a results directory (``export.compact_results``, ``estimator.rejudge``):
-    a crash leaves either the old files or the new one, never half a file; a file not
-    named in ``merged`` is never removed."""
-    import pyarrow.parquet as pq
+# ------------------------------------------------------------------------ compaction
+COMPACT_PREFIX = "compact-"
+# Columns a compacted part leaves out: this machine's wall times and the VMEM prefilter's
+# bookkeeping. No table, report or benchmark reads them from stored rows (``rpa-tune show``
+# prints a missing one as "-"); a fresh sweep's own parts still hold them.
+DIAGNOSTIC_COLUMNS = ("eval_s", "compile_s", "estimate_s", "vmem_predicted_bytes", "vmem_reported_bytes")
+COMPACT_COLUMNS = tuple(c for c in COLUMNS if c not in DIAGNOSTIC_COLUMNS)
+COMPACT_MAX_BYTES = 900_000      # a part in git stays under 1 MB (tests/test_data_gates.py)
+
+
+def is_compact(path) -> bool:
+    """Whether ``path`` is a compacted part (``compact``): never rewritten."""
+    return Path(path).name.startswith(COMPACT_PREFIX)
+
+
+def _part_bytes(table: pa.Table) -> bytes:
+    import io
+    buf = io.BytesIO()
+    pq.write_table(table, buf, compression="zstd", compression_level=19)
+    return buf.getvalue()
+
+
+def _compact_chunks(table: pa.Table, max_bytes: int):
+    """``(generation, bytes)`` of the parts ``table`` is written as: its rows in time
+    order (then config), one generation per part, a generation larger than ``max_bytes``
+    split into consecutive runs of rows."""
+    import pyarrow.compute as pc
+    table = table.select(list(COMPACT_COLUMNS))
+    order = [(c, "ascending") for c in ("timestamp", "config_id", "key_id")]
+    gens = sorted({g for g in table.column("generation").to_pylist()}, key=lambda g: (g is None, g or ""))
+    for g in gens:
+        sub = table.filter(pc.is_null(table["generation"]) if g is None else pc.equal(table["generation"], g))
+        pending = [sub.sort_by(order)]
+        while pending:
+            t = pending.pop(0)
+            data = _part_bytes(t)
+            if len(data) <= max_bytes or t.num_rows < 2:
+                yield g, t, data
+            else:
+                half = t.num_rows // 2
+                pending[:0] = [t.slice(0, half), t.slice(half)]
+
+
+def write_parts(directory, table: pa.Table, merged=(), *, max_bytes: int = COMPACT_MAX_BYTES) -> list[Path]:
+    """Write ``table`` into ``directory`` as new compacted parts (``_compact_chunks``), then
+    remove the ``merged`` files they replace. A part is named by the newest timestamp of its
+    rows and a digest of its bytes, written through a temporary file and an atomic rename,
+    and never overwrites a file: a part whose name exists already holds these very bytes.
+    A crash leaves the merged files, the new parts, or both (export drops exact duplicate
+    rows and resume keys rows by ``config_id``); a file not named in ``merged`` is never
+    removed."""
     d = Path(directory)
-    order = [(c, "ascending") for c in ("key_id", "config_id", "timestamp") if c in table.column_names]
-    if order:
-        table = table.sort_by(order)
-    out, tmp = d / name, d / f".{name}.tmp"
-    pq.write_table(table, tmp, compression="zstd")
-    tmp.replace(out)
+    d.mkdir(parents=True, exist_ok=True)
+    out = []
+    for g, t, data in _compact_chunks(table, max_bytes):
+        ts = [x for x in t.column("timestamp").to_pylist() if x is not None]
+        when = max(ts).strftime("%Y%m%dT%H%M%SZ") if ts else "notime"
+        digest = hashlib.sha256(data).hexdigest()[:12]
+        p = d / f"{COMPACT_PREFIX}{when}-{g or 'nogen'}-{digest}.parquet"
+        if not p.exists():
+            tmp = d / f".{p.name}.tmp"
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, p)
+        out.append(p)
     _fsync_dir(d)
+    keep = set(out)
     for p in map(Path, merged):
-        if p != out:
+        if p not in keep:
             p.unlink()
+    _fsync_dir(d)
     return out
+
+
+def compact(directory, *, max_bytes: int = COMPACT_MAX_BYTES) -> list[Path]:
+    """Merge the small parts at the top of a results directory (every ``*.parquet`` that is
+    not a compacted part, e.g. one file per evaluation as ``rpa-tune sweep`` writes them, or
+    an older single ``results.parquet``) into new compacted parts (``write_parts``), rows as
+    recorded, and remove them. Existing compacted parts stay byte for byte; a damaged file is
+    left in place. Returns the new parts (none when there was nothing to merge)."""
+    d = Path(directory)
+    if not d.is_dir():
+        raise FileNotFoundError(f"results directory {d} does not exist")
+    files = sorted(p for p in d.glob("*.parquet") if p.is_file() and not is_compact(p))
+    if not files:
+        return []
+    table, damaged = _read_files(files)
+    bad = {Path(f) for f, _ in damaged}
+    good = [p for p in files if p not in bad]
+    if not good:
+        return []
+    return write_parts(d, table, good, max_bytes=max_bytes)
 
 
 def _fsync_dir(path: Path) -> None:

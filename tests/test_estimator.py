@@ -198,8 +198,9 @@ def test_recorded_rows_are_judged_again_by_the_walks_memory_bound():
 
 def test_rejudge_reports_first_and_rewrites_a_results_directory_only_when_asked(tmp_path, capsys):
     """``python -m rpa_tune.estimator.rejudge DIR`` only reports; with ``--write`` the
-    directory's files become one ``results.parquet`` holding every row, the judged ones
-    changed; a missing directory is one line and exit 2."""
+    parts holding a judged row are replaced by a compacted part holding their rows, the judged
+    ones changed, and the other parts stay as they were; a missing directory is one line and
+    exit 2."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -214,8 +215,10 @@ def test_rejudge_reports_first_and_rewrites_a_results_directory_only_when_asked(
     assert main([str(d)]) == 0
     assert "2 of 3 rows judged again (1 refused, 1 at the walk's memory bound)" in capsys.readouterr().out
     assert sorted(p.name for p in d.iterdir()) == ["a.parquet", "b.parquet"]
+    b = (d / "b.parquet").read_bytes()
     assert main([str(d), "--write"]) == 0
-    assert sorted(p.name for p in d.iterdir()) == ["results.parquet"]
+    (part,) = [p.name for p in d.iterdir() if p.name != "b.parquet"]
+    assert part.startswith("compact-") and (d / "b.parquet").read_bytes() == b
     got = read_results_table([d]).table.to_pandas().set_index("config_id")
     assert got.audit.to_dict() == {"c0": "incomplete", "c1": "complete", "c2": "complete"}
     assert got.metric["c1"] == pytest.approx(bound) and got.metric["c2"] == rows[2]["metric"]

@@ -302,17 +302,54 @@ def test_store_layout_hidden_dirs_and_source_hash(tmp_path):
     assert tuple(e.block_sizes) == _other_bs(k) and e.provenance["kernel_hash"] == "feedbeef"
 
 
-def test_compact_results_keeps_rows(tmp_path):
+def test_compact_results_keeps_rows_and_never_rewrites_a_compacted_part(tmp_path):
+    """Compaction merges the one-row parts of a sweep into new compacted parts, one per
+    generation, and removes only those; a later compaction leaves the earlier parts byte for
+    byte and adds one part for the new rows. The export reads the same tables throughout."""
+    from rpa_tune.store import is_compact
     rows = _sweep_rows(KEYS, gains=[0.1] * len(KEYS))
     for r in rows:
         write_results(tmp_path / "res", [r])
     _export(tmp_path / "res", tmp_path / "before")
-    ex.compact_results(tmp_path / "res")
-    assert [p.name for p in (tmp_path / "res").iterdir()] == ["results.parquet"]
-    write_results(tmp_path / "res", [rows[0]])      # a later sweep appends next to it
+    first = ex.compact_results(tmp_path / "res")
+    assert sorted(p.name for p in (tmp_path / "res").iterdir()) == sorted(p.name for p in first)
+    assert len(first) == 2 and all(is_compact(p) for p in first)        # v5e and v6e
+    assert sorted(p.name.split("-")[2] for p in first) == ["v5e", "v6e"]
+    kept = {p: p.read_bytes() for p in first}
+    assert ex.compact_results(tmp_path / "res") == []                     # nothing new: nothing written
+    later = dict(rows[0], timestamp="2030-01-01T00:00:00Z", config_id="later")
+    write_results(tmp_path / "res", [later])                             # a later sweep appends a part
+    (second,) = ex.compact_results(tmp_path / "res")
+    assert second not in kept and {p: p.read_bytes() for p in first} == kept
+    assert sorted((tmp_path / "res").iterdir()) == sorted(first + [second])
     _export(tmp_path / "res", tmp_path / "after")
     for n in ("v5e.json", "v6e.json"):
         assert (tmp_path / "before" / n).read_bytes() == (tmp_path / "after" / n).read_bytes()
+
+
+def test_a_compacted_part_holds_the_rows_without_diagnostics_and_stays_under_its_size(tmp_path):
+    """Every row survives compaction with its other columns as recorded; the diagnostic
+    columns are left out; a generation larger than the size limit is split into parts under
+    it (a single row is the smallest part)."""
+    import pandas as pd
+    from rpa_tune.store import COLUMNS, DIAGNOSTIC_COLUMNS, ResultStore, compact
+    rows = [dict(r, eval_s=1.5, compile_s=2.5, message="m" * 200) for r in _sweep_rows(KEYS, gains=[0.1] * len(KEYS))]
+    for r in rows:
+        write_results(tmp_path / "res", [r])
+    store = ResultStore(tmp_path / "res")
+    before = store.read()
+    parts = compact(tmp_path / "res", max_bytes=9_000)
+    after = store.read()
+    assert len(parts) > 2                                                  # split below one part per generation
+    for p in parts:
+        assert p.stat().st_size <= 9_000 or len(pd.read_parquet(p)) == 1
+        assert not set(DIAGNOSTIC_COLUMNS) & set(pd.read_parquet(p).columns)
+        assert len(set(pd.read_parquet(p)["generation"])) == 1
+    assert after["eval_s"].isna().all() and after["compile_s"].isna().all()
+    same = [c for c in COLUMNS if c not in DIAGNOSTIC_COLUMNS]
+    order = ["config_id", "timestamp", "bq", "bkv", "cq", "ckv", "key_id"]
+    pd.testing.assert_frame_equal(before[same].sort_values(order).reset_index(drop=True),
+                                  after[same].sort_values(order).reset_index(drop=True))
 
 
 def test_export_merges_into_existing_tables_and_says_what_changed(tmp_path):

@@ -118,6 +118,6 @@ def test_one_reader_one_policy_for_a_damaged_file(tmp_path, caplog):
     assert len(ResultStore(tmp_path / "res").read()) == 2
     df = ex.read_results([tmp_path / "res"])
     assert len(df) == 2 and [f for f, _ in df.attrs["damaged"]] == [str(tmp_path / "res" / "c.parquet")]
-    ex.compact_results(tmp_path / "res")
-    assert sorted(p.name for p in (tmp_path / "res").glob("*.parquet")) == ["c.parquet", "results.parquet"]
+    (part,) = ex.compact_results(tmp_path / "res")
+    assert sorted(p.name for p in (tmp_path / "res").glob("*.parquet")) == sorted(["c.parquet", part.name])
     assert len(ResultStore(tmp_path / "res").read()) == 2

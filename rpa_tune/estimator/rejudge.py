@@ -14,7 +14,10 @@ Since 2026-11-29 that walk counts a head_dim under 128 padded to 128 lanes, as t
 holds it (``audit.time_model``); no row recorded before changed verdict or time by it.
 
     python -m rpa_tune.estimator.rejudge tables/results            # what would change
-    python -m rpa_tune.estimator.rejudge tables/results --write    # rewrite the rows
+    python -m rpa_tune.estimator.rejudge tables/results --write    # rewrite the changed rows
+
+``--write`` replaces only the parts that hold a changed row, by new compacted parts
+(``rpa_tune.store.write_parts``); every other part stays byte for byte.
 """
 from __future__ import annotations
 
@@ -86,30 +89,41 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("results", help="a results directory (rpa_tune.store)")
     ap.add_argument("--write", action="store_true",
-                    help="rewrite the directory's rows into one results.parquet, the changed ones "
-                         "judged again (default: report only)")
+                    help="replace the parts holding a changed row by new compacted parts, the changed "
+                         "rows judged again (default: report only)")
     a = ap.parse_args(argv)
+    import numpy as np
+    import pandas as pd
     import pyarrow as pa
     from pathlib import Path
-    from ..store import SCHEMA, read_results_table, replace_results
+    from ..store import SCHEMA, _read_files, result_files, write_parts
     d = Path(a.results)
     if not d.is_dir():
         print(f"rejudge: results directory {a.results!r} does not exist", file=sys.stderr)
         return 2
-    got = read_results_table([d])
-    if got.damaged:
-        print(f"rejudge: damaged files in {a.results} ({got.damaged[0][0]}); nothing rewritten", file=sys.stderr)
-        return 2
-    df = got.table.to_pandas()
-    new, changed = rejudge(df)
+    parts, frames, masks = [], [], []
+    for f in result_files([d]):           # each part as recorded, to know which ones change
+        t, damaged = _read_files([f])
+        if damaged:
+            print(f"rejudge: damaged files in {a.results} ({damaged[0][0]}); nothing rewritten", file=sys.stderr)
+            return 2
+        new, changed = rejudge(t.to_pandas())
+        parts.append(f)
+        frames.append(new)
+        masks.append(changed)
+    new = pd.concat(frames, ignore_index=True) if frames else SCHEMA.empty_table().to_pandas()
+    changed = np.concatenate(masks) if masks else np.zeros(0, dtype=bool)
     refused = int((changed & (new["audit"] == "incomplete").to_numpy()).sum())
-    print(f"{int(changed.sum())} of {len(df)} rows judged again ({refused} refused, "
+    print(f"{int(changed.sum())} of {len(new)} rows judged again ({refused} refused, "
           f"{int(changed.sum()) - refused} at the walk's memory bound)")
     for r in new[changed].itertuples(index=False):
         print(f"  {r.key_id} {(r.bq, r.bkv, r.cq, r.ckv)}: {r.audit}")
-    if a.write and changed.any():
-        out = replace_results(d, pa.Table.from_pandas(new, schema=SCHEMA, preserve_index=False), got.files)
-        print(f"rewrote {out}")
+    touched = [i for i, m in enumerate(masks) if m.any()]
+    if a.write and touched:
+        rows = pd.concat([frames[i] for i in touched], ignore_index=True)
+        out = write_parts(d, pa.Table.from_pandas(rows, schema=SCHEMA, preserve_index=False),
+                          [parts[i] for i in touched])
+        print(f"replaced {len(touched)} parts by {', '.join(p.name for p in out)}")
     return 0
 
 
