@@ -179,8 +179,8 @@ def main() -> int:
     keys = sample(a.fraction, a.seed)
     gen = read(a.generated)
     # keys the current kernel's generation has reached (rows of earlier kernels do not count)
-    from rpa_tune.provenance import result_inputs_hash
-    current = gen[gen["kernel_hash"] == result_inputs_hash()] if "kernel_hash" in gen else gen
+    from rpa_tune.provenance import kernel_hash
+    current = gen[gen["kernel_hash"] == kernel_hash()] if "kernel_hash" in gen else gen
     # sampled keys no estimate can cover here (rpa_tune.coverage.needs_a_device): reported, not swept
     device = [k for k in keys if coverage.needs_a_device(k.generation, k.case)]
     keys = [k for k in keys if k not in device]

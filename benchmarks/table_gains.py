@@ -69,8 +69,8 @@ def main() -> int:
     ap.add_argument("--tables", type=Path, default=ROOT / "tables")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "table_gains.md")
     a = ap.parse_args()
-    from kernel.provenance import kernel_source_hash
-    current = kernel_source_hash()
+    from kernel.provenance import kernel_id
+    current = kernel_id()
     groups: dict = defaultdict(list)
     stale: dict = defaultdict(int)
     methods = set()

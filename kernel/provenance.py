@@ -1,65 +1,73 @@
-"""The two hashes of the kernel sources, named for what they protect, and the libtpu version.
+"""Which kernel a result or a table entry was made with: a deliberate version, not source bytes.
 
-* ``kernel_source_hash()``: sha256 (16 hex digits) of ``KERNEL_SOURCE_FILES``, the files
-  that determine the *compiled kernel*. Tuned-table entries record it
-  (``provenance.kernel_hash`` in a table file); ``kernel.tables`` warns about (or, strict,
-  refuses) entries tuned for another value.
-* ``result_inputs_hash()``: sha256 (16 hex digits) of ``RESULT_INPUT_FILES``, the compiled
-  kernel *plus* what shapes an evaluation (the estimate, the workload model, the heuristic
-  a sweep compares against). Rows of the results store record it (column ``kernel_hash``);
-  a sweep never reuses rows of another value, ``show`` marks them stale.
+``KERNEL_VERSION`` names the program this kernel compiles to. It is bumped by hand when a
+change alters what the compiler receives (the lowered programs); a comment, a rename or a
+refactor that compiles to the same programs leaves it, and so every result id, probe-cache
+key and table entry, unchanged. ``rpa_tune.fingerprint`` lowers a fixed set of canonical
+configs and hashes their programs; ``program_fingerprint.json`` beside this file records
+those hashes per JAX version, and a test fails when the programs change while
+``KERNEL_VERSION`` does not (``rpa-tune fingerprint --record`` after a bump).
+
+``kernel_id()`` is what rows and tables record (``kernel_hash``): ``"k<KERNEL_VERSION>"``.
+Rows and tables written before versions existed carry a 16-hex-digit hash of the source
+files instead; ``LEGACY_IDS`` maps the hashes of the sources that compiled version 1's
+programs to it, so those records stay current (``canonical_kernel_id``).
 
 Plain Python (no JAX): the CLI and the tables use it without initialising a backend.
 """
 from __future__ import annotations
 
 import functools
-import hashlib
+import json
 from importlib import metadata
 from pathlib import Path
 
 KERNEL_DIR = Path(__file__).resolve().parent
+KERNEL_VERSION = 1
+FINGERPRINT_FILE = KERNEL_DIR / "program_fingerprint.json"
 
-# Files whose source determines the compiled kernel (and so the validity of a table entry).
-KERNEL_SOURCE_FILES = ("rpa.py", "api.py", "vmem.py", "config.py")
-
-# The kernel files a recorded result depends on: the compiled kernel itself plus those that
-# shape an evaluation: the estimate (analysis, metrics, hardware facts), the workload model
-# and the heuristic each sweep compares against. Table loading, bring-up, validation and the
-# reference are not in it: editing them does not make recorded results stale.
-RESULT_INPUT_FILES = KERNEL_SOURCE_FILES + ("analysis.py", "steps.py", "metrics.py", "hardware.py",
-                                            "workload.py", "heuristics.py")
+# Source hashes recorded before KERNEL_VERSION existed, for the sources whose programs are
+# version 1's (the table hash of kernel/{rpa,api,vmem,config}.py and the results hash of those
+# plus the estimator's kernel files, both at git 1343fa6).
+LEGACY_IDS = {"8fd98531008dbd61": "k1", "81b0302971f33f93": "k1"}
 
 
-def _files_hash(names) -> str:
-    h = hashlib.sha256()
-    for name in names:
-        h.update(name.encode() + b"\0")
-        try:
-            h.update((KERNEL_DIR / name).read_bytes())
-        except OSError:
-            h.update(b"<missing>")
-        h.update(b"\0")
-    return h.hexdigest()[:16]
+def kernel_id(version: int = KERNEL_VERSION) -> str:
+    """The id rows and table entries record for our kernel (``"k1"``)."""
+    return f"k{int(version)}"
 
 
-@functools.lru_cache(maxsize=None)
-def kernel_source_hash() -> str:
-    """The hash table entries are checked against (``KERNEL_SOURCE_FILES``)."""
-    return _files_hash(KERNEL_SOURCE_FILES)
+def canonical_kernel_id(value):
+    """``value`` with a legacy source hash of a known version replaced by that version's id
+    (``LEGACY_IDS``); anything else unchanged."""
+    return LEGACY_IDS.get(value, value) if isinstance(value, str) else value
 
 
-def result_inputs_hash() -> str:
-    """The hash results-store rows carry (``RESULT_INPUT_FILES``); not cached, so a test or
-    a long session sees edits."""
-    return _files_hash(RESULT_INPUT_FILES)
+def recorded_fingerprint(jax_version: str | None = None) -> dict | None:
+    """The recorded programs of this ``KERNEL_VERSION`` under ``jax_version`` (default: the
+    installed JAX): ``{"fingerprint", "programs": {label: digest}}``, or None when none
+    is recorded for it."""
+    try:
+        doc = json.loads(FINGERPRINT_FILE.read_text())
+    except (OSError, ValueError):
+        return None
+    if doc.get("kernel_version") != KERNEL_VERSION:
+        return None
+    jv = jax_version or _version("jax")
+    return (doc.get("by_jax") or {}).get(jv)
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
 
 
 @functools.lru_cache(maxsize=None)
 def libtpu_version() -> str | None:
     for dist in ("libtpu", "libtpu-nightly"):
-        try:
-            return metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            continue
+        v = _version(dist)
+        if v is not None:
+            return v
     return None

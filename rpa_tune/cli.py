@@ -450,6 +450,30 @@ def doctor(
 
 
 @app.command()
+def fingerprint(
+    record: bool = typer.Option(False, "--record", help="Write the programs' digests for the current "
+                                "KERNEL_VERSION and JAX into kernel/program_fingerprint.json (after a "
+                                "deliberate version bump)."),
+    json_out: JsonFlag = False,
+):
+    """Lower the kernel's canonical programs deviceless and check them against the fingerprint
+    recorded for its KERNEL_VERSION (exit 1 when they changed without a version bump)."""
+    from . import fingerprint as fp
+    from . import ui
+    check = fp.check()
+    if record:
+        fp.record(check.programs)
+        check = fp.check(check.programs)
+    if json_out:
+        ui.print_json(dict(status=check.status, jax_version=check.jax_version, changed=check.changed,
+                           fingerprint=fp.fingerprint(check.programs), programs=check.programs))
+    else:
+        print(check.line())
+    if check.status == "changed":
+        raise typer.Exit(1)
+
+
+@app.command()
 def status(
     storage: str = typer.Option(..., "--storage", help="The URL the workers were started with "
                                 "(postgresql://..., sqlite:///PATH.db, PATH.journal)."),

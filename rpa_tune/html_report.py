@@ -178,10 +178,10 @@ def coverage(df, entries, sections=()) -> Coverage:
     the other presets, then any other shape in the results or tables. Buckets: the
     matrix's and the keys' ``max_num_tokens``. Page size and model length are folded into
     the cell (its keys list them)."""
-    from kernel.provenance import kernel_source_hash
+    from kernel.provenance import kernel_id
     from . import coverage as matrix
     from .kernels import row_kernel
-    source = kernel_source_hash()
+    source = kernel_id()
     from .presets import PRESETS, get_preset
     results_keys: set = set()         # keys with results of the current kernel source
     old_results: set = set()          # keys with results of earlier kernels only

@@ -62,8 +62,8 @@ class TunedKernel:
         """What a result row and a table record as the kernel's version (None: the public
         package is not installed here)."""
         if self.is_ours:
-            from kernel.provenance import kernel_source_hash
-            return kernel_source_hash()
+            from kernel.provenance import kernel_id
+            return kernel_id()
         from .public_kernel import installed_version
         v = installed_version()
         return None if v is None else f"{PUBLIC}=={v}"

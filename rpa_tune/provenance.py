@@ -1,7 +1,9 @@
-"""Where a result came from: package versions, the kernel's two hashes, git sha.
+"""Where a result came from: package versions, the kernel's version id, git sha.
 
-The hashes are defined once, in ``kernel.provenance`` (``kernel_source_hash``: what table
-entries record; ``result_inputs_hash``: what results-store rows record). Nothing here
+The kernel's identity is defined once, in ``kernel.provenance``: ``kernel_id()`` (``"k1"``),
+a deliberate version bumped when its programs change (``rpa_tune.fingerprint`` checks that).
+Results-store rows record it in ``kernel_hash`` (the column's name predates versions) and
+``kernel_source_hash``; tables in their entries' ``provenance.kernel_hash``. Nothing here
 imports JAX (versions come from package metadata), so the CLI can stamp rows without
 initialising a backend.
 """
@@ -13,7 +15,7 @@ import subprocess
 from importlib import metadata
 
 from kernel import provenance as kprov
-from kernel.provenance import KERNEL_DIR, KERNEL_SOURCE_FILES, RESULT_INPUT_FILES  # noqa: F401 (re-exported)
+from kernel.provenance import KERNEL_DIR
 
 REPO_DIR = KERNEL_DIR.parent
 
@@ -37,21 +39,17 @@ def versions() -> dict:
 KERNEL_HASH_ENV = "RPA_TUNE_KERNEL_HASH"
 
 
-def result_inputs_hash() -> str:
-    """The hash results-store rows record in their ``kernel_hash`` column
-    (``kernel.provenance.result_inputs_hash``): a change to the kernel or to how it is
-    estimated gives a new value, so results of an older kernel are never reused on resume.
-    ``$RPA_TUNE_KERNEL_HASH`` pins it instead (tests; or resuming across kernel edits known
-    not to matter)."""
-    return os.environ.get(KERNEL_HASH_ENV) or kprov.result_inputs_hash()
-
-
-kernel_hash = result_inputs_hash     # the name the results store's column keeps
+def kernel_hash() -> str:
+    """What results-store rows record in their ``kernel_hash`` column and resume ids hold:
+    our kernel's version id (``kernel.provenance.kernel_id``). ``$RPA_TUNE_KERNEL_HASH``
+    pins another value instead (tests that need a second kernel version)."""
+    return os.environ.get(KERNEL_HASH_ENV) or kprov.kernel_id()
 
 
 def kernel_source_hash() -> str:
-    """The hash tuned tables record and are checked against (``kernel.provenance``)."""
-    return kprov.kernel_source_hash()
+    """What an exported table entry records and the kernel checks tables against
+    (``kernel.provenance.kernel_id``; never the test override)."""
+    return kprov.kernel_id()
 
 
 @functools.lru_cache(maxsize=None)
@@ -70,7 +68,48 @@ def git_sha() -> str | None:
 
 
 def provenance() -> dict:
-    """The provenance columns of a results-store row (``kernel_hash`` holds
-    ``result_inputs_hash``; ``kernel_source_hash`` is what an exported entry records)."""
-    return dict(versions(), kernel_hash=result_inputs_hash(), kernel_source_hash=kernel_source_hash(),
+    """The provenance columns of a results-store row: ``kernel_hash`` (resume ids) and
+    ``kernel_source_hash`` (what an exported entry records) both hold the kernel's id."""
+    return dict(versions(), kernel_hash=kernel_hash(), kernel_source_hash=kernel_source_hash(),
                 git_sha=git_sha())
+
+
+def fingerprint_status() -> str:
+    """One line: the recorded program fingerprint of this kernel version under the installed
+    JAX, or that none is recorded (``rpa-tune fingerprint`` checks it against the code)."""
+    rec = kprov.recorded_fingerprint()
+    if rec is None:
+        return (f"none recorded for kernel {kprov.kernel_id()} under jax {_version('jax')} "
+                "(rpa-tune fingerprint --record)")
+    return f"{rec['fingerprint']} (kernel {kprov.kernel_id()}, jax {_version('jax')}, {len(rec['programs'])} programs)"
+
+
+def canonical_rows(table):
+    """A results ``pyarrow.Table`` with legacy kernel source hashes read as the version ids
+    they stand for (``kernel.provenance.LEGACY_IDS``) in ``kernel_hash``,
+    ``kernel_source_hash`` and ``kernel_version``, and the resume ids (``config_id``) of
+    such rows computed again from the id, so a sweep of the same version resumes them."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    if table.num_rows == 0 or "kernel_hash" not in table.column_names:
+        return table
+    legacy = pa.array(sorted(kprov.LEGACY_IDS))
+    hit = pc.is_in(table["kernel_hash"], value_set=legacy)
+    if not pc.any(hit).as_py() and not any(
+            c in table.column_names and pc.any(pc.is_in(table[c], value_set=legacy)).as_py()
+            for c in ("kernel_source_hash", "kernel_version")):
+        return table
+    from .store import config_id
+    for col in ("kernel_hash", "kernel_source_hash", "kernel_version"):
+        if col in table.column_names:
+            vals = [kprov.canonical_kernel_id(v) for v in table[col].to_pylist()]
+            table = table.set_column(table.column_names.index(col), col, pa.array(vals, pa.string()))
+    if "config_id" in table.column_names:
+        rows = table.select(["key_id", "workload_id", "bq", "bkv", "cq", "ckv", "backend", "kernel_hash",
+                             "evaluator_version", "config_id"]).to_pylist()
+        mask = hit.to_pylist()
+        ids = [config_id(r["key_id"], r["workload_id"], (r["bq"], r["bkv"], r["cq"], r["ckv"]), r["backend"],
+                         r["kernel_hash"], r["evaluator_version"]) if m else r["config_id"]
+               for r, m in zip(rows, mask)]
+        table = table.set_column(table.column_names.index("config_id"), "config_id", pa.array(ids, pa.string()))
+    return table

@@ -221,8 +221,8 @@ def doctor_report(*, tpu: str = "v6e", quick: bool = False) -> dict:
     rep = {"versions": {"python": platform.python_version(), "jax": ver("jax"), "jaxlib": ver("jaxlib"),
                         "libtpu": ver("libtpu") or ver("libtpu-nightly"), "rpa-tune": ver("rpa-tune"),
                         "optuna": ver("optuna"), "pyarrow": ver("pyarrow")},
-           "kernel": {"kernel_source_hash (tables)": provenance.kernel_source_hash(),
-                      "result_inputs_hash (results)": provenance.result_inputs_hash(),
+           "kernel": {"kernel_id (tables and results)": provenance.kernel_source_hash(),
+                      "program_fingerprint": provenance.fingerprint_status(),
                       "git_sha": provenance.git_sha(), "kernel_dir": str(provenance.KERNEL_DIR)},
            "tables": table_files(), "kernels": kernels_report()}
     probe = probe_devices()

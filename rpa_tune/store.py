@@ -197,6 +197,8 @@ def read_results_table(paths) -> ResultsRead:
     skipped, named in ``damaged`` and logged as a warning; the other files are read."""
     files = result_files(paths)
     table, damaged = _read_files(files)
+    from .provenance import canonical_rows
+    table = canonical_rows(table)      # legacy source hashes read as their kernel version
     return ResultsRead(table, files, damaged)
 
 

@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 
 from tables_synth import entry, key, row, table
-from kernel.provenance import kernel_source_hash
+from kernel.provenance import kernel_id
 from cli_checks import assert_one_error_line
 
-SOURCE = kernel_source_hash()      # table entries tuned for the current kernel source
+SOURCE = kernel_id()      # table entries tuned for the current kernel source
 
 RPA_TUNE = str(Path(sys.executable).with_name("rpa-tune"))
 HOSTILE = '<script>alert("x")</script> & <b>bold</b>'

@@ -292,7 +292,7 @@ def test_bad_file_does_not_hide_good_file(tmp_path, caplog, isolated_tables):
 
 def test_other_kernel_hash_used_with_warning_or_refused(tmp_path, caplog, monkeypatch, isolated_tables):
     table(entry(key(), (1, 256, 1, 256), kernel_hash="0123456789abcdef", libtpu="0.0.1"),
-          entry(key(case="mixed"), (64, 512, 64, 512), kernel_hash=kt.kernel_source_hash())).write_json(tmp_path / "t.json")
+          entry(key(case="mixed"), (64, 512, 64, 512), kernel_hash=kt.kernel_id())).write_json(tmp_path / "t.json")
     caplog.set_level(logging.WARNING, logger="kernel.tables")
     isolated_tables(tmp_path / "t.json")
     assert tuple(_resolve(key())[0]) == (1, 256, 1, 256)

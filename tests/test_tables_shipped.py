@@ -48,9 +48,9 @@ def test_shipped_tables_cover_three_generations_cases_and_presets():
 def test_shipped_tables_hold_every_key_the_coverage_claims():
     """rpa_tune.coverage.COMPLETE: every key of each (generation, shape, case) it lists, all
     page sizes and token buckets, has an entry in the shipped tables (promoted or not),
-    tuned for the current kernel source and not on a retired sweep workload: an entry of an
+    tuned for the current kernel version and not on a retired sweep workload: an entry of an
     earlier kernel or a retired workload is stale, not coverage."""
-    from kernel.provenance import kernel_source_hash
+    from kernel.provenance import kernel_id
     from rpa_tune import coverage
     names = {s.name for s in coverage.SHAPES}
     assert all(g in coverage.ESTIMABLE and n in names and c in coverage.CASES for g, n, c in coverage.COMPLETE)
@@ -60,7 +60,7 @@ def test_shipped_tables_hold_every_key_the_coverage_claims():
     assert not claimed or {k.max_num_tokens for k in want} == set(coverage.BUCKETS)
     missing = [k.id() for k in want if k not in entries]
     assert not missing, missing
-    source = kernel_source_hash()
+    source = kernel_id()
     stale = [k.id() for k in want if coverage.is_stale(entries[k], source)]
     assert not stale, stale
 
@@ -73,7 +73,7 @@ def test_shipped_tables_load_without_problems(monkeypatch, caplog):
     assert len(state.index) == sum(len(kt.Table.read(p)) for p in FILES)
     # only staleness warnings are acceptable (the kernel may have changed since tuning)
     for msg in state.warnings:
-        assert "tuned for kernel source hash" in msg or "tuned with libtpu" in msg, msg
+        assert "tuned for kernel version" in msg or "tuned with libtpu" in msg, msg
 
 
 def test_committed_results_reproduce_the_tables():

@@ -195,7 +195,7 @@ def test_multi_bucket_sweep_json_plain_progress_and_show_json(tmp_path):
 def test_doctor_lists_table_files_with_counts_and_kernel_match(tmp_path):
     from kernel import tables as kt
     from tables_synth import entry, key, table
-    good = table(entry(key(t=64), (1, 256, 1, 256), kernel_hash=kt.kernel_source_hash()))
+    good = table(entry(key(t=64), (1, 256, 1, 256), kernel_hash=kt.kernel_id()))
     doc = good.to_dict()
     doc["entries"].append(dict(doc["entries"][0], key=dict(doc["entries"][0]["key"], sliding_window="no")))
     (tmp_path / "mine.json").write_text(json.dumps(doc))

@@ -76,27 +76,23 @@ def test_schema_has_the_documented_columns():
         assert c in SCHEMA.names, c
 
 
-def test_kernel_hash_follows_the_result_inputs_only(tmp_path, monkeypatch):
-    """Results are keyed on the files that shape them: the compiled kernel's sources (the
-    ones tables are checked against) and the estimate's; table loading is not among them."""
-    import shutil
-    from kernel import tables as kt
-    from rpa_tune import provenance
-    assert set(kt.KERNEL_SOURCE_FILES) <= set(provenance.RESULT_INPUT_FILES)
-    assert "analysis.py" in provenance.RESULT_INPUT_FILES and "tables.py" not in provenance.RESULT_INPUT_FILES
-    copy = tmp_path / "kernel"
-    shutil.copytree(provenance.KERNEL_DIR, copy)
-    monkeypatch.delenv(provenance.KERNEL_HASH_ENV, raising=False)
-    from kernel import provenance as kernel_provenance    # where both hashes are defined
-    monkeypatch.setattr(kernel_provenance, "KERNEL_DIR", copy)
-    h0 = provenance.result_inputs_hash()
-    (copy / "tables" / "loading.py").write_text((copy / "tables" / "loading.py").read_text() + "\n# edited\n")
-    assert provenance.result_inputs_hash() == h0
-    for name in ("rpa.py", "analysis.py"):
-        (copy / name).write_text((copy / name).read_text() + "\n# edited\n")
-        h1 = provenance.result_inputs_hash()
-        assert h1 != h0
-        h0 = h1
+def test_legacy_source_hashes_read_as_their_version(tmp_path):
+    """Rows written before kernel versions carry a source hash; the store reads the hashes
+    of version 1's sources as ``k1`` and recomputes their resume ids, so a sweep of the
+    same version skips them, while another hash stays as written."""
+    from kernel.provenance import LEGACY_IDS, kernel_id
+    from rpa_tune.store import ResultStore, config_id
+    legacy = next(h for h, v in LEGACY_IDS.items() if v == kernel_id())
+    store = ResultStore(tmp_path)
+    for kh in (legacy, "0123456789abcdef"):
+        store.append([dict(key_id="k", workload_id="w", bq=8, bkv=512, cq=8, ckv=256, backend="compile",
+                           kernel_hash=kh, kernel_source_hash=kh, kernel_version=kh, evaluator_version="e1",
+                           config_id=config_id("k", "w", (8, 512, 8, 256), "compile", kh, "e1"), status="ok")])
+    df = store.read().sort_values("kernel_hash")
+    assert list(df["kernel_hash"]) == ["0123456789abcdef", kernel_id()]
+    assert list(df["kernel_version"]) == ["0123456789abcdef", kernel_id()]
+    assert list(df["config_id"]) == [config_id("k", "w", (8, 512, 8, 256), "compile", h, "e1")
+                                     for h in ("0123456789abcdef", kernel_id())]
 
 
 def test_one_reader_one_policy_for_a_damaged_file(tmp_path, caplog):

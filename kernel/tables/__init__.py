@@ -30,12 +30,12 @@ table -> bucket -> the kernel's own default). Our kernel never reads them.
 One module per concept: ``schema`` (Entry, Table, JSON, field validation, reading regular
 files), ``parquet`` (the mirror), ``env`` (environment variables), ``index`` (bucketing),
 ``loading`` (which files, per-file and per-entry rejection), ``state`` (the process-wide
-tables and the memoised lookup); the kernel's hashes are in ``kernel.provenance``. This
+tables and the memoised lookup); the kernel's version id is in ``kernel.provenance``. This
 package never imports ``rpa_tune``; Parquet support imports pyarrow lazily.
 """
 from __future__ import annotations
 
-from ..provenance import KERNEL_SOURCE_FILES, kernel_source_hash, libtpu_version
+from ..provenance import kernel_id, libtpu_version
 from .env import (ENV_BLOCK_SIZES, ENV_PUBLIC_BLOCK_SIZES, ENV_PUBLIC_TABLE, ENV_SHIPPED, ENV_STRICT, ENV_TABLE,
                   env_block_sizes)
 from .index import Match, TableIndex
@@ -47,9 +47,9 @@ from .state import (_lookup_cached, block_sizes_for, epoch, heuristic_only, heur
 
 __all__ = [
     "SCHEMA_VERSION", "Entry", "Table", "TableError", "TableIndex", "ENV_BLOCK_SIZES", "ENV_TABLE",
-    "ENV_SHIPPED", "ENV_STRICT", "env_block_sizes", "key_for", "kernel_source_hash", "libtpu_version",
+    "ENV_SHIPPED", "ENV_STRICT", "env_block_sizes", "key_for", "kernel_id", "libtpu_version",
     "load_tables", "loaded", "lookup_block_sizes", "lookup_entry", "reload", "reset", "shipped_table_dir",
-    "epoch", "KEY_FIELDS", "METHODS", "PROVENANCE_FIELDS", "KERNEL_SOURCE_FILES", "LoadedTables", "Match",
+    "epoch", "KEY_FIELDS", "METHODS", "PROVENANCE_FIELDS", "LoadedTables", "Match",
     "read_regular_file", "DEFAULT_KERNEL", "PUBLIC_KERNEL", "KERNEL_NAMES", "table_kernel", "block_sizes_for",
     "ENV_PUBLIC_BLOCK_SIZES", "ENV_PUBLIC_TABLE", "tuned_for_another_kernel", "heuristic_only",
     "heuristic_only_active",

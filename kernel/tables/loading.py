@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 from typing import Iterable
 
-from ..provenance import kernel_source_hash, libtpu_version
+from ..provenance import canonical_kernel_id, kernel_id, libtpu_version
 from .env import ENV_PUBLIC_TABLE, ENV_SHIPPED, ENV_STRICT, ENV_TABLE, env_flag
 from .index import TableIndex
 from .schema import DEFAULT_KERNEL, PUBLIC_KERNEL, Table, TableError
@@ -48,11 +48,11 @@ def _strict() -> bool:
 
 
 def kernel_version(kernel: str) -> str | None:
-    """What an entry's ``provenance.kernel_hash`` is checked against: our kernel's source
-    hash, or ``tpu-inference==<installed version>`` (None when it is not installed: the
+    """What an entry's ``provenance.kernel_hash`` is checked against: our kernel's version
+    id (``kernel.provenance.kernel_id``), or ``tpu-inference==<installed version>`` (None when it is not installed: the
     check is skipped)."""
     if kernel == DEFAULT_KERNEL:
-        return kernel_source_hash()
+        return kernel_id()
     from importlib import metadata
     try:
         return f"{PUBLIC_KERNEL}=={metadata.version(PUBLIC_KERNEL)}"
@@ -63,7 +63,13 @@ def kernel_version(kernel: str) -> str | None:
 def tuned_for_another_kernel(entry, cur_hash: str | None) -> bool:
     """Whether ``entry`` was tuned for another kernel version than ``cur_hash``
     (``kernel_version``; None: not checked; an entry without a hash is not)."""
-    return cur_hash is not None and entry.provenance.get("kernel_hash") not in (None, cur_hash)
+    return cur_hash is not None and entry_kernel_id(entry) not in (None, cur_hash)
+
+
+def entry_kernel_id(entry):
+    """The kernel version id an entry was tuned for (a legacy source hash read as its
+    version's id: ``kernel.provenance.canonical_kernel_id``)."""
+    return canonical_kernel_id(entry.provenance.get("kernel_hash"))
 
 
 def _compat_filter(table: Table, path: str, strict: bool, warn, cur_hash: str | None) -> Table:
@@ -71,7 +77,7 @@ def _compat_filter(table: Table, path: str, strict: bool, warn, cur_hash: str | 
     another kernel version than ``cur_hash`` (``kernel_version``; None: not checked) or
     another libtpu."""
     cur_libtpu = libtpu_version()
-    bad_hash = sorted({e.provenance.get("kernel_hash") for e in table.entries if tuned_for_another_kernel(e, cur_hash)})
+    bad_hash = sorted({entry_kernel_id(e) for e in table.entries if tuned_for_another_kernel(e, cur_hash)})
     bad_lib = sorted({e.provenance.get("libtpu_version") for e in table.entries
                       if cur_libtpu is not None
                       and e.provenance.get("libtpu_version") not in (None, cur_libtpu)})
@@ -79,16 +85,16 @@ def _compat_filter(table: Table, path: str, strict: bool, warn, cur_hash: str | 
         return table
     problems = []
     if bad_hash:
-        what = "kernel source hash" if table.kernel == DEFAULT_KERNEL else "kernel"
+        what = "kernel version" if table.kernel == DEFAULT_KERNEL else "kernel"
         problems.append(f"tuned for {what} {', '.join(bad_hash)} (current {cur_hash})")
     if bad_lib:
         problems.append(f"tuned with libtpu {', '.join(bad_lib)} (installed {cur_libtpu})")
     n_bad = sum(1 for e in table.entries
-                if e.provenance.get("kernel_hash") in bad_hash or e.provenance.get("libtpu_version") in bad_lib)
+                if entry_kernel_id(e) in bad_hash or e.provenance.get("libtpu_version") in bad_lib)
     if strict:
         warn(f"rpa table {path}: {n_bad} of {len(table)} entries {' and '.join(problems)}; "
              f"refusing them ({ENV_STRICT}=1)")
-        keep = tuple(e for e in table.entries if e.provenance.get("kernel_hash") not in bad_hash
+        keep = tuple(e for e in table.entries if entry_kernel_id(e) not in bad_hash
                      and e.provenance.get("libtpu_version") not in bad_lib)
         return Table(keep, table.info, table.schema_version)
     warn(f"rpa table {path}: {n_bad} of {len(table)} entries {' and '.join(problems)}; using them "
@@ -157,8 +163,7 @@ def load_tables(paths: Iterable | None = None, *, shipped: bool | None = None,
                 continue
             for msg in rejected:
                 warn(f"rpa table {f}: {msg}; ignoring this entry (the heuristic applies for its key)")
-            other = sum(1 for e in table.entries
-                        if current is not None and e.provenance.get("kernel_hash") not in (None, current))
+            other = sum(1 for e in table.entries if tuned_for_another_kernel(e, current))
             table = _compat_filter(table, str(f), strict, warn, current)
             n = index.add(table, str(f))
             files.append((str(f), f"ok: {n} entries" + (f", {len(rejected)} rejected" if rejected else "")
