@@ -113,3 +113,26 @@ def test_sample_of_shipped_entries_compiles_deviceless():
 @pytest.mark.slow
 def test_every_shipped_entry_compiles_deviceless():
     _verify(_sample(None))
+
+
+def test_tables_resolve_the_block_sizes_of_the_snapshot(monkeypatch):
+    """Behaviour unchanged across the redesign (issue 100): for every key of the shipped
+    tables, the kernel's table lookup resolves the block sizes it resolved from the tables
+    of ``tests/snapshots/resolved_block_sizes.json``'s revision (None: not promoted, the
+    heuristic applies), and no key was added or lost."""
+    import json
+    snap = json.loads((Path(__file__).parent / "snapshots" / "resolved_block_sizes.json").read_text())["entries"]
+    for var in ("RPA_TABLE", "RPA_SHIPPED_TABLES", "RPA_TABLE_STRICT", *kt.ENV_BLOCK_SIZES.values()):
+        monkeypatch.delenv(var, raising=False)
+    kt.reset()
+    got = {}
+    for p in FILES:
+        for e in kt.Table.read(p).entries:
+            k = e.key
+            dims = dict(max_num_tokens=k.max_num_tokens, num_q_heads=k.num_q_heads, num_kv_heads=k.num_kv_heads,
+                        head_dim=k.head_dim, page_size=k.page_size, pages_per_seq=k.max_model_len // k.page_size,
+                        q_dtype=k.q_dtype, kv_dtype=k.kv_dtype)
+            found = kt.lookup_block_sizes(k.case, generation=k.generation, dims=dims, sliding_window=k.sliding_window)
+            got[k.id()] = None if found is None else list(found[0])
+    kt.reset()
+    assert got == snap
