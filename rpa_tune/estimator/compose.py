@@ -416,8 +416,15 @@ CACHE_ENV = "RPA_TUNE_PROBE_CACHE"
 
 
 def _cache_dir() -> str:
-    return os.environ.get(CACHE_ENV) or os.path.join(
-        os.path.expanduser("~"), ".cache", "rpa-tune", "probes")
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.environ.get(CACHE_ENV) or os.path.join(base, "rpa-tune", "probes")
+
+
+def program_cache_dir() -> str:
+    """Where the profiler keeps its verdicts per lowered program (``profiler.ProgramCache``):
+    beside the per-config probe cache. When a config's entry is missing (a new kernel
+    version, a new composer), its probes whose programs did not change are answered from it."""
+    return os.path.join(_cache_dir(), "programs")
 
 
 def _cache_key(doc: dict) -> str:
@@ -621,7 +628,8 @@ def probe_config(*, builder: str, case: Case | str, bs: BlockSizes, tpu: str, mo
         def attempt(forward: bool):
             left = None if deadline is None else max(1.0, deadline - time.monotonic())
             r = profiler.profile(builder, req, timeout=left, expect_kernel_hash=source, fast_forward=forward,
-                                 cancel=failed, extra_libtpu_args=extra_libtpu_args, rss_cap=cap)
+                                 cancel=failed, extra_libtpu_args=extra_libtpu_args, rss_cap=cap,
+                                 program_cache=program_cache_dir() if use_cache else None)
             spent["max_rss_bytes"] = max(spent["max_rss_bytes"], r.get("max_rss_bytes") or 0)
             spent["compile_s"] += (r.get("lower_s") or 0.0) + (r.get("compile_s") or 0.0)
             a = (audit_mod.audit_trace(TraceStats.from_json(r["trace"]), need, cal, page_bytes)

@@ -122,15 +122,77 @@ def scoped_allocation_bytes(message: str) -> int:
 
 def _child(req: dict, source_hash: str | None = None) -> dict:
     """Runs in the child (profiler flags already in LIBTPU_INIT_ARGS). ``source_hash``: the
-    kernel source the child imported when it started (a warm child's)."""
-    from kernel.analysis import parse_vmem_oom
-    from .trace import TraceStats, kernel_traces, parse_bundles, parse_profiles
+    kernel id the child imported when it started (a warm child's). With
+    ``req["program_cache"]`` (a folder), a program profiled before is not compiled again
+    (``ProgramCache``)."""
     mod, fn = req["builder"].split(":")
     t0 = time.perf_counter()
     lowered, prefix = getattr(importlib.import_module(mod), fn)(**req["request"])
     from rpa_tune.provenance import kernel_hash
     out = {"status": "ok", "lower_s": time.perf_counter() - t0, "prefix": prefix,
-           "kernel_hash": source_hash or kernel_hash()}       # the source this child imported
+           "kernel_hash": source_hash or kernel_hash()}       # the kernel this child imported
+    cache = ProgramCache.for_request(req, lowered, prefix)
+    if cache is not None:
+        hit = cache.get()
+        if hit is not None:
+            return dict(hit, lower_s=out["lower_s"], compile_s=0.0, kernel_hash=out["kernel_hash"],
+                        program_cached=True)
+    out = _compile(req, lowered, prefix, out)
+    if cache is not None:
+        cache.put(out)
+    return out
+
+
+class ProgramCache:
+    """Profiler verdicts keyed by the program the compiler receives: the digest of the
+    lowered program (``rpa_tune.fingerprint.program_digest``: no source locations, outlined
+    names canonical), the profiler's flags, the kernel-name prefix and the JAX / libtpu
+    versions. A probe whose program is unchanged (after a comment, a refactor or a kernel
+    version bump that left it alone) is not compiled again. Holds the verdicts the same
+    program gives again: ``ok``, the compiler's ``vmem_oom`` / ``compile_error`` and a
+    kernel without an estimate. One JSON file per program under ``<dir>``, written whole."""
+
+    KEEP = ("ok", "vmem_oom", "compile_error")
+
+    def __init__(self, path: str):
+        self.path = path
+
+    @classmethod
+    def for_request(cls, req: dict, lowered, prefix: str) -> "ProgramCache | None":
+        where = req.get("program_cache")
+        if not where:
+            return None
+        import hashlib
+        from rpa_tune.fingerprint import program_digest
+        from rpa_tune.provenance import versions
+        flags = " ".join(f for f in os.environ.get("LIBTPU_INIT_ARGS", "").split()
+                         if not f.startswith(PROFILE_FLAG))
+        doc = json.dumps([program_digest(lowered), prefix, flags, bool(req.get("bundles", True)), versions()],
+                         sort_keys=True)
+        return cls(os.path.join(where, hashlib.sha256(doc.encode()).hexdigest()[:24] + ".json"))
+
+    def get(self) -> dict | None:
+        try:
+            with open(self.path) as f:
+                return json.load(f)
+        except (OSError, ValueError):
+            return None
+
+    def put(self, out: dict) -> None:
+        if out.get("status") not in self.KEEP and out.get("cause") != NO_ESTIMATE:
+            return
+        keep = {k: v for k, v in out.items() if k not in ("lower_s", "compile_s", "kernel_hash")}
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        tmp = f"{self.path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(keep, f)
+        os.replace(tmp, self.path)
+
+
+def _compile(req: dict, lowered, prefix: str, out: dict) -> dict:
+    """Compile ``lowered`` with the profiler on; ``out`` with the verdict, cycles and trace."""
+    from kernel.analysis import parse_vmem_oom
+    from .trace import TraceStats, kernel_traces, parse_bundles, parse_profiles
     t1 = time.perf_counter()
     try:
         lowered.compile()
@@ -161,7 +223,7 @@ def _child(req: dict, source_hash: str | None = None) -> dict:
 
 def profile(builder: str, request: dict, *, timeout: float | None = 600, rss_cap: int | None = None,
             bundles: bool = True, extra_libtpu_args: str = "", expect_kernel_hash: str | None = None,
-            fast_forward: bool = False, cancel=None) -> dict:
+            fast_forward: bool = False, cancel=None, program_cache: str | None = None) -> dict:
     """Compile ``builder(**request)`` in a child with the static profiler on (see module doc).
 
     ``expect_kernel_hash``: the kernel source hash the caller records the result under. The
@@ -170,11 +232,14 @@ def profile(builder: str, request: dict, *, timeout: float | None = 600, rss_cap
     source returns ``environment: "source_changed"`` (not the config's result).
 
     ``cancel``: a ``threading.Event``; once it is set the child is killed and the result is
-    ``status: "cancelled"`` (a config's other probe failed: this one is no longer needed)."""
+    ``status: "cancelled"`` (a config's other probe failed: this one is no longer needed).
+
+    ``program_cache``: a folder of verdicts keyed by the lowered program (``ProgramCache``):
+    a program profiled before is answered from it without a compile."""
     cap = rss_cap_bytes() if rss_cap is None else int(rss_cap)
     if os.environ.get(WARM_ENV, "1") != "0":
         result = _Warm.run(builder, request, bundles=bundles, extra=extra_libtpu_args, fast_forward=fast_forward,
-                           timeout=timeout, cap=cap, cancel=cancel)
+                           timeout=timeout, cap=cap, cancel=cancel, program_cache=program_cache)
         return _checked(result, expect_kernel_hash)
     with tempfile.TemporaryDirectory(prefix="rpa_profile_") as d:
         env = _flags(d, bundles, fast_forward, extra_libtpu_args)
@@ -182,7 +247,8 @@ def profile(builder: str, request: dict, *, timeout: float | None = 600, rss_cap
         # trace per unrolled region: over 100 MB per compile, 74 GB over a few sweeps here
         # before the disk filled. The child's logs live and die with its temporary folder.
         env.setdefault("TPU_LOG_DIR", os.path.join(d, "tpu_logs"))
-        payload = json.dumps(dict(builder=builder, request=request, profile_dir=d, bundles=bundles))
+        payload = json.dumps(dict(builder=builder, request=request, profile_dir=d, bundles=bundles,
+                                  program_cache=program_cache))
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
             proc = subprocess.Popen([sys.executable, "-m", "rpa_tune.estimator.profiler", *_owner_args(d)],
@@ -280,7 +346,7 @@ class _Warm:
         self.last_used = time.monotonic()
 
     @classmethod
-    def run(cls, builder, request, *, bundles, extra, fast_forward, timeout, cap, cancel) -> dict:
+    def run(cls, builder, request, *, bundles, extra, fast_forward, timeout, cap, cancel, program_cache=None) -> dict:
         # the caller's environment is part of the key: a child started before a change of it
         # (PYTHONPATH, the kernel-hash override, ...) would not see it
         flags = (bool(bundles), bool(fast_forward), extra or "", hash(frozenset(os.environ.items())))
@@ -289,7 +355,7 @@ class _Warm:
             w = idle.pop() if idle else None
         if w is None or w.proc.poll() is not None:
             w = cls(flags)
-        result, reusable = w._serve(builder, request, bundles, timeout, cap, cancel)
+        result, reusable = w._serve(builder, request, bundles, timeout, cap, cancel, program_cache)
         retired = [w]
         if reusable and w.served < WARM_MAX_REQUESTS and _rss_bytes(w.proc.pid) < cap // 2:
             with cls._lock:
@@ -311,20 +377,21 @@ class _Warm:
         os.makedirs(self.profile_dir, exist_ok=True)
         shutil.rmtree(os.path.join(self.dir, "tpu_logs"), ignore_errors=True)
 
-    def _serve(self, builder, request, bundles, timeout, cap, cancel) -> tuple[dict, bool]:
+    def _serve(self, builder, request, bundles, timeout, cap, cancel, program_cache=None) -> tuple[dict, bool]:
         try:
-            return self._serve_one(builder, request, bundles, timeout, cap, cancel)
+            return self._serve_one(builder, request, bundles, timeout, cap, cancel, program_cache)
         finally:
             self._empty()        # after every request: the next one starts with an empty folder
 
-    def _serve_one(self, builder, request, bundles, timeout, cap, cancel) -> tuple[dict, bool]:
+    def _serve_one(self, builder, request, bundles, timeout, cap, cancel, program_cache=None) -> tuple[dict, bool]:
         result_path = os.path.join(self.dir, f"result{self.served}.json")
         self.err.seek(0, 2)
         err_start = self.err.tell()
         self.served += 1
         try:
             self.proc.stdin.write(json.dumps(dict(builder=builder, request=request, profile_dir=self.profile_dir,
-                                                  bundles=bundles, result_path=result_path)) + "\n")
+                                                  bundles=bundles, result_path=result_path,
+                                                  program_cache=program_cache)) + "\n")
             self.proc.stdin.flush()
         except OSError:
             pass
