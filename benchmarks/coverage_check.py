@@ -8,11 +8,12 @@ Method:
 2. Per sampled key whose sweep has run (``tables/generate.sh``'s results): an exhaustive
    sweep (``--search grid``) of the key's whole candidate list, with the same plan
    arguments (``rpa_tune.coverage.Sweep.args``: workload, page size, limits), into its own
-   results directory (``--results``, default ``benchmarks/results/exhaustive``): the shipped
-   tables stay the budgeted search's. Resumable; the probes of configs the generation
-   already compiled come from the probe cache (the user's cache directory, or
-   ``$RPA_TUNE_PROBE_CACHE``, or ``--probe-cache``), and the sampled buckets of one
-   generation / shape / case share theirs.
+   results directory (``--results``, default ``benchmarks/results/exhaustive``, compacted
+   after the run: ``rpa_tune.store.compact``): the shipped tables stay the budgeted
+   search's. Resumable; the probes of configs the generation already compiled come from
+   the probe cache (the user's cache directory, or ``$RPA_TUNE_PROBE_CACHE``, or
+   ``--probe-cache``), and the sampled buckets of one generation / shape / case share
+   theirs.
 3. Gap = the budgeted search's best metric for the key (the best ``ok`` row of its
    generation results, same kernel hash and workload as the exhaustive rows) / the
    exhaustive best - 1. Every metric is the compile backend's audited estimate.
@@ -216,6 +217,8 @@ def main() -> int:
             if r.returncode == 0:          # the grid ran to its end: the key's exhaustive best is known
                 done = set(json.loads(marker.read_text())) if marker.exists() else set()
                 marker.write_text(json.dumps(sorted(done | {k.id()}), indent=0) + "\n")
+        from rpa_tune.store import compact
+        compact(a.results)          # the sweeps' one-row parts become one new compacted part
         ex = read(a.results)
         stale = stale_keys(ex, keys)
     complete = set(json.loads(marker.read_text())) if marker.exists() else set()
