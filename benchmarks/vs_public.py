@@ -60,9 +60,13 @@ see, so the memory bound and MBU are the window's.
 
     python benchmarks/vs_public.py --variants --tpu v6e [--tpu tpu7x ...] [--only decode]
 
-Pieces are cached in ``benchmarks/results/vs_public.jsonl``, keyed by our kernel's source
-hash / the public package's version (a rerun resumes; a kernel edit re-measures ours); the
-table is written to ``benchmarks/results/vs_public.md``.
+Pieces are cached in the user's cache directory (``cache_path``: ``$RPA_TUNE_VS_PUBLIC_CACHE``,
+else ``$XDG_CACHE_HOME`` or ``~/.cache``, ``rpa-tune/vs_public.jsonl``; each with its trace, so
+later audit rules apply without a compile), keyed by our kernel's version / the public
+package's version (a rerun resumes; a new kernel version re-measures ours). The table is
+written to ``benchmarks/results/vs_public.md``, and the pieces of the current versions that the
+tables read, without their traces, to ``benchmarks/results/vs_public_pieces.jsonl`` (kept in
+git, a few hundred kB; a rerun on a new machine starts from them).
 """
 from __future__ import annotations
 
@@ -87,7 +91,10 @@ from rpa_tune.evaluators.base import next_vmem_limit  # noqa: E402
 from rpa_tune.provenance import kernel_hash  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-CACHE = os.path.join(HERE, "results", "vs_public.jsonl")
+PIECES = os.path.join(HERE, "results", "vs_public_pieces.jsonl")
+CACHE_ENV = "RPA_TUNE_VS_PUBLIC_CACHE"
+# what a table reads of a piece (and what decides whether it is compiled again)
+PIECE_FIELDS = ("key", "status", "cycles", "message", "audit", "vmem_limit_bytes", "vmem_rule", "retried")
 MODEL = ModelShape(32, 8, 128)      # Llama-3-8B: 32 q / 8 KV heads, head_dim 128, bf16
 KERNELS = {"ours": compose.OURS, "public": "rpa_tune.estimator.public:lower"}
 CANDIDATES = {
@@ -179,20 +186,56 @@ def _key(kernel, gen, case, bs, page, q_lens, kv_lens, variant: Variant = BASE) 
                       + variant.key())
 
 
-def _load_cache() -> dict:
+def cache_path() -> str:
+    """The pieces cache: ``$RPA_TUNE_VS_PUBLIC_CACHE``, else ``rpa-tune/vs_public.jsonl`` in
+    the user's cache directory (``$XDG_CACHE_HOME``, else ``~/.cache``)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.environ.get(CACHE_ENV) or os.path.join(base, "rpa-tune", "vs_public.jsonl")
+
+
+def _read_jsonl(path: str) -> dict:
     out = {}
-    if os.path.exists(CACHE):
-        with open(CACHE) as f:
+    if os.path.exists(path):
+        with open(path) as f:
             for line in f:
                 try:
                     d = json.loads(line)
                     out[d["key"]] = d
-                except ValueError:
+                except (ValueError, KeyError, TypeError):
                     continue
     return out
 
 
+def _load_cache() -> dict:
+    """The shipped pieces, then the cache's (a cached piece keeps its trace: it wins)."""
+    out = _read_jsonl(PIECES)
+    out.update(_read_jsonl(cache_path()))
+    return out
+
+
 _CACHE: dict = {}
+_USED: dict = {}         # key -> the piece as this run's tables read it
+
+
+def _use(rec: dict) -> dict:
+    _USED[rec["key"]] = rec
+    return rec
+
+
+def write_pieces(used: dict, path: str = PIECES) -> int:
+    """Write ``path``: the pieces ``used`` (``PIECE_FIELDS`` only: no trace) merged into the
+    ones it holds, keeping only pieces of the current versions of both kernels (``_version``),
+    sorted by key. Returns how many it holds."""
+    versions = {_version("ours"), _version("public")}
+    kept = {k: r for k, r in _read_jsonl(path).items() if json.loads(k)[1] in versions}
+    kept.update(used)
+    kept = {k: {f: r[f] for f in PIECE_FIELDS if f in r} for k, r in kept.items()}
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        for k in sorted(kept):
+            f.write(json.dumps(kept[k], sort_keys=True) + "\n")
+    os.replace(tmp, path)
+    return len(kept)
 
 
 def _cached(key: str) -> dict | None:
@@ -204,10 +247,10 @@ def _cached(key: str) -> dict | None:
 
 
 def _record(rec: dict) -> None:
-    """Keep ``rec`` and append it to the results file."""
+    """Keep ``rec`` and append it to the cache."""
     _CACHE[rec["key"]] = rec
-    os.makedirs(os.path.dirname(CACHE), exist_ok=True)
-    with open(CACHE, "a") as f:
+    os.makedirs(os.path.dirname(cache_path()), exist_ok=True)
+    with open(cache_path(), "a") as f:
         f.write(json.dumps(rec) + "\n")
 
 
@@ -218,9 +261,9 @@ def piece(kernel: str, gen: str, case: Case, bs: BlockSizes, page: int, q_lens, 
     w = Workload.of_case(case, list(q_lens), list(kv_lens))
     old = _cached(key)
     if old and old["status"] == "ok" and old.get("trace"):      # audited by today's rules
-        return dict(old, audit=_audit(kernel, gen, case, page, w, variant, old["trace"]).to_json())
+        return _use(dict(old, audit=_audit(kernel, gen, case, page, w, variant, old["trace"]).to_json()))
     if old and not _compile_again(kernel, old):
-        return old
+        return _use(old)
     req = dict(workload=dict(q_lens=list(w.q_lens), kv_lens=list(w.kv_lens), distribution=list(w.distribution)),
                block_sizes=list(bs), tpu=gen, model=dataclasses.asdict(variant.model),
                limits=dataclasses.asdict(limits(page)), case=case.value)
@@ -245,7 +288,7 @@ def piece(kernel: str, gen: str, case: Case, bs: BlockSizes, page: int, q_lens, 
     print(f"  {kernel:6s} {gen:5s} {case.value:7s} {tuple(bs)} page {page} q={_short(q_lens)} kv={_short(kv_lens)}{tag}:"
           f" {rec['status']} {rec['cycles'] or ''} ({rec['wall_s']:.0f} s, "
           f"{(rec['max_rss_bytes'] or 0) / 2**30:.1f} GB)", flush=True)
-    return rec
+    return _use(rec)
 
 
 def _with_vmem_retries(gen: str, variant: Variant, run):
@@ -296,7 +339,7 @@ def composed_piece(gen: str, case: Case, bs: BlockSizes, page: int, q_lens, kv_l
                      + variant.key())
     old = _cached(key)
     if old and not (old["status"] == "vmem_oom" and old.get("vmem_rule", 1) < VMEM_RULE):
-        return old
+        return _use(old)
     t0 = time.time()
 
     def probe_once(options):
@@ -319,7 +362,7 @@ def composed_piece(gen: str, case: Case, bs: BlockSizes, page: int, q_lens, kv_l
     tag = "" if variant == BASE else f" [{variant.name}]"
     print(f"  ours   {gen:5s} {case.value:7s} {tuple(bs)} page {page} q={_short(q_lens)} kv={_short(kv_lens)}{tag}:"
           f" composed from probes: {rec['status']} {rec['cycles'] or ''} ({rec['wall_s']:.0f} s)", flush=True)
-    return rec
+    return _use(rec)
 
 
 def _short(xs) -> str:
@@ -533,6 +576,7 @@ def main() -> None:
     ap.add_argument("--variants", action="store_true",
                     help="the VARIANTS table (head_dim 64 / 256, fp8 KV, sliding window) instead of the main one")
     ap.add_argument("--out", default=None, help="default: results/vs_public.md (--variants: vs_public_variants.md)")
+    ap.add_argument("--pieces", default=PIECES, help="where the pieces the tables read are kept (default: %(default)s)")
     args = ap.parse_args()
     if args.out is None:
         args.out = os.path.join(HERE, "results", "vs_public_variants.md" if args.variants else "vs_public.md")
@@ -583,6 +627,8 @@ def main() -> None:
     print(text)
     with open(args.out, "w") as f:
         f.write(text)
+    n = write_pieces(_USED, args.pieces)
+    print(f"{len(_USED)} pieces read; {args.pieces} holds {n}")
 
 
 def _check_line(k, gen, name, bs, whole, rule: Estimate) -> str:
