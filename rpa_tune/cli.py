@@ -18,6 +18,7 @@ from .cli_common import (BackendChoice, HeadDim, JsonFlag, KernelOpt, KvDtypeOpt
                          MaxNumSeqs, MaxNumTokens, Model, OptionalTpu, PageSize, QDtypeOpt, QHeads, ResultBackend,
                          RpaTuneGroup, SearchChoice, Status, SweepCase, CaseChoice, Tpu, UsageError, fail,
                          parse_int_list, resolve_limits, resolve_model, value)
+from .kernels import DEFAULT as DEFAULT_KERNEL
 
 app = typer.Typer(
     name="rpa-tune", cls=RpaTuneGroup, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -52,7 +53,7 @@ def _resolve_backend(backend: str, generation: str) -> tuple[str, str]:
 @app.command()
 def sweep(
     tpu: Tpu,
-    kernel: KernelOpt = "rpa-tune",
+    kernel: KernelOpt = DEFAULT_KERNEL,
     case: SweepCase = typer.Option(SweepCase.decode, "--case", case_sensitive=False,
                                    help="Kernel case to tune; all: one sweep per case."),
     model: Model = "llama3-8b",
@@ -158,16 +159,7 @@ def sweep(
     store = ResultStore(results)
     opened = None
     if storage is not None and not dry_run:
-        from .distributed import StorageError, open_storage, run_distributed
-        if retry:
-            fail("--retry cannot be combined with --storage (the study already holds those configs; "
-                 "rerun them in a new storage)")
-        if seeds:
-            fail(f"--seeds {seeds} cannot be combined with --storage (a shared study seeds no bucket from "
-                 "another); use --seeds 0 or run without --storage")
-        if refine:
-            fail(f"--refine {refine} cannot be combined with --storage (the shared study plans its configs "
-                 "up front); use --refine 0 or run without --storage")
+        from .distributed import StorageError, open_storage
         try:
             opened = open_storage(storage, heartbeat=heartbeat, grace=max(grace, 2 * heartbeat))
         except StorageError as e:
@@ -177,25 +169,25 @@ def sweep(
         if dry_run:
             ui.print_plan(spec, backend_note, results, json_out=json_out)
             continue
-        if opened is not None:
-            from .distributed import StudyMismatch, parse_storage
-            ui.print_header(spec, backend_note, results, storage=parse_storage(storage).display())
+        if opened is None:
+            ui.print_header(spec, backend_note, results)
+            with ui.sweep_progress() as progress:
+                outcome = run_sweep(spec, store, events=progress)
+        else:
+            from .distributed import StorageError, StudyMismatch, StudyScheduler, lost_storage_message, parse_storage
+            where = parse_storage(storage).display()
+            ui.print_header(spec, backend_note, results, storage=where)
+            sched = StudyScheduler(opened, where, heartbeat=heartbeat, grace=max(grace, 2 * heartbeat))
             try:
                 with ui.sweep_progress() as progress:
-                    outcome = run_distributed(spec, store, storage, events=progress, heartbeat=heartbeat,
-                                              grace=max(grace, 2 * heartbeat), storage=opened)
+                    outcome = run_sweep(spec, store, scheduler=sched, events=progress)
             except (StudyMismatch, StorageError) as e:
                 fail(str(e))
             except Exception as e:  # noqa: BLE001 - the storage went away mid-sweep
-                from .distributed import lost_storage_message
                 msg = lost_storage_message(e, storage)
                 if msg is None:
                     raise
                 fail(msg, code=1)
-        else:
-            ui.print_header(spec, backend_note, results)
-            with ui.sweep_progress() as progress:
-                outcome = run_sweep(spec, store, events=progress)
         outcomes.append(outcome)
         if not json_out:
             ui.print_summary(outcome, store)
@@ -212,7 +204,7 @@ def sweep(
 def _build_specs(*, tpu, case, model, q_heads, kv_heads, head_dim, dtype, kv_dtype, page_size, max_num_tokens,
                  max_num_seqs, max_model_len, workload, num_seqs, context, chunk, num_chunks, seed, backend,
                  search, budget, patience, jobs, timeout, results, space, retry, dry_run, buckets=None, refine=0,
-                 seeds=0, sliding_window=None, kernel="rpa-tune", soft_cap=None):
+                 seeds=0, sliding_window=None, kernel=DEFAULT_KERNEL, soft_cap=None):
     """Validate every input and build one SweepSpec per bucket x case (no side effects)."""
     from kernel.config import Case
     from .kernels import KernelError, get_kernel

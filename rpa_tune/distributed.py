@@ -4,20 +4,26 @@ Storages (``open_storage``): ``postgresql://...`` (a fleet; needs ``psycopg2``, 
 ``distributed`` extra), ``sqlite:///path.db`` and an Optuna journal file (``*.journal``
 or ``journal:///path``) on one machine.
 
+The sweep itself is the engine's one loop (``engine.run_sweep``); ``StudyScheduler`` is
+its scheduler here. Every worker runs the same search; each config it asks is claimed
+through the study, so exactly one worker evaluates it, and the others wait for its row
+and tell it to their search. So ``--retry``, ``--seeds`` and ``--refine`` mean what they
+mean for one process: a row recorded with a ``--retry`` status before the worker joined is
+evaluated again (once, by whichever worker claims it); the seeds come from the studies
+of the key's other token buckets in the storage (and the worker's ``--results``); the
+climb climbs from the best row of every worker.
+
 One Optuna study per (tuned kernel, key, workload, backend): its name is a hash of those
 (``study_name``). The study's user attribute ``rpa_tune`` records the identity every
 worker must share (kernel version, evaluator version, the planned candidates' hash,
-search, budget, seed); a worker whose identity differs refuses to join
+search, budget, refine, seed); a worker whose identity differs refuses to join
 (``StudyMismatch``, naming what differs).
 
-Claiming work is Optuna's own trial lifecycle: the worker that creates the study adds
-the planned configs as WAITING trials (grid / random, and TPE whose candidates fit in the
-budget); a worker claims one by moving it WAITING -> RUNNING through the storage
-(``set_trial_state_values``, atomic in each storage: a row lock in PostgreSQL, an
-immediate transaction in SQLite, the journal's ordered log), so exactly one worker gets
-it. TPE with a budget smaller than the space asks the shared study's TPE sampler for new
-trials instead; a proposal already claimed by an earlier trial (lower trial number) is a
-duplicate and is told PRUNED with ``skipped=duplicate`` instead of being evaluated.
+Claims are Optuna's own trial lifecycle: a config's trial is created WAITING and moved to
+RUNNING through the storage (``set_trial_state_values``), which exactly one worker
+manages. Each trial records the phase that asked it (heuristic / replay, seed, budget,
+climb): the study's ``--budget`` and ``--refine`` hold across workers, counted in trial
+order.
 
 Worker death: a claimed trial's worker records heartbeats (RDB storages: Optuna's
 heartbeat; journal files: the same rule through a trial attribute), and every worker
@@ -39,18 +45,20 @@ import os
 import socket
 import threading
 import time
-import uuid
 from pathlib import Path
 
 from kernel.config import BlockSizes
+
+from .schedulers import DONE, OVER, PENDING, RUN, Grant, Scheduler
 
 STUDY_PREFIX = "rpa-tune-"
 DEFAULT_HEARTBEAT = 10.0
 DEFAULT_GRACE = 60.0
 MAX_RETRY = 3
-IDENTITY_FIELDS = ("kernel", "kernel_version", "evaluator_version", "space", "search", "budget", "seed")
+IDENTITY_FIELDS = ("kernel", "kernel_version", "evaluator_version", "space", "search", "budget", "refine", "seed")
+IDENTITY_DEFAULTS = {"refine": 0}       # studies made before the field existed
 FIELD_WORDS = {"kernel_version": "kernel version (kernel hash)", "evaluator_version": "evaluator version",
-               "space": "search space (planned candidates)", "kernel": "kernel"}
+               "space": "search space (planned candidates)", "kernel": "kernel", "refine": "--refine"}
 
 
 class StorageError(Exception):
@@ -258,6 +266,7 @@ def _bs_of(trial) -> BlockSizes | None:
 
 
 def mismatch_message(name: str, have: dict, want: dict, where: str) -> str | None:
+    have = {**IDENTITY_DEFAULTS, **have}
     diffs = [f"{FIELD_WORDS.get(f, f)} {have.get(f)!r} (this worker: {want.get(f)!r})"
              for f in IDENTITY_FIELDS if have.get(f) != want.get(f)]
     if not diffs:
@@ -266,7 +275,7 @@ def mismatch_message(name: str, have: dict, want: dict, where: str) -> str | Non
             "(run every worker with the same rpa-tune checkout and options, or use another --storage)")
 
 
-# ------------------------------------------------------------------------ the session
+# ---------------------------------------------------------------------- the scheduler
 def _row_json(row: dict) -> str:
     def default(v):
         if isinstance(v, (_dt.datetime, _dt.date)):
@@ -293,122 +302,112 @@ def trial_rows(trials) -> list[dict]:
     return [_row_from_json(t.user_attrs["row"]) for t in trials if "row" in t.user_attrs]
 
 
-class Session:
-    """One worker's handle on one sweep's study: join (or create), claim, finish."""
+class StudyScheduler(Scheduler):
+    """The engine's scheduler for a study in a shared storage: one worker's handle on it.
 
-    def __init__(self, storage, spec, plan, ctx, *, where: str, heartbeat: float = DEFAULT_HEARTBEAT,
+    A config is claimed through one of its trials (``_acquire``): its row, when a trial
+    holds one, answers it; a RUNNING trial means another worker evaluates it (PENDING);
+    otherwise a WAITING trial of it (a new one, or one given back) is moved to RUNNING
+    through the storage, which exactly one worker manages. Two workers that created a
+    trial of one config at once each hold one; the higher-numbered gives way."""
+
+    shared = True
+
+    def __init__(self, storage, where: str, *, heartbeat: float = DEFAULT_HEARTBEAT,
                  grace: float = DEFAULT_GRACE, wait_s: float = 60.0):
-        optuna = _quiet_optuna()
-        self.optuna = optuna
-        self.storage, self.spec, self.plan, self.ctx = storage, spec, plan, ctx
-        self.heartbeat, self.grace = float(heartbeat), float(grace)
+        self.optuna = _quiet_optuna()
+        self.storage, self.where = storage, where
+        self.heartbeat, self.grace, self.wait_s = float(heartbeat), float(grace), float(wait_s)
+        self.poll_s = max(0.2, min(0.5, self.heartbeat / 2))
         self.worker = worker_id()
-        self.rdb = isinstance(storage, optuna.storages.RDBStorage)
-        self.cands = list(plan.candidates)
-        self.cand_set = set(self.cands)
-        self.dists = _dists(self.cands) if self.cands else {}
+        self.rdb = isinstance(storage, self.optuna.storages.RDBStorage)
         self.storage_s = 0.0          # wall time in storage calls after joining (claims, tells, stale checks;
         self.storage_calls = 0        # heartbeats run on their own thread and are not counted)
-        self.sample_mode = spec.search == "tpe" and len(self.cands) > spec.budget
-        self.planned = self._planned()
-        self.total = len(self.planned) if not self.sample_mode else min(spec.budget, len(self.cands))
-        self.name = study_name(ctx.kernel.name, spec.key_id, ctx.wid, spec.backend)
-        self.identity = dict(kernel=ctx.kernel.name, kernel_version=ctx.kversion, evaluator_version=ctx.ev_version,
-                             space=space_hash(self.cands), search=spec.search, budget=int(spec.budget),
-                             seed=int(spec.seed))
-        self.exhausted_reason = ""
-        self.misses = 0
+        self.join_s: float | None = None
+        self.study = None
+        self.name = ""
+        self.created = False
         self.inflight: dict[int, BlockSizes] = {}      # trial id -> config (this worker's)
         self.numbers: dict[int, int] = {}              # trial id -> trial number
-        self._study_attrs: dict = {}
+        self.base: dict[str, int] = {}                 # config id -> number of the trial holding its row
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._hb_thread = None
         self._last_stale_check = -math.inf
-        sampler = None
-        if self.sample_mode:
-            import warnings
-            seed = int(hashlib.sha256(f"{spec.seed}:{self.worker}:{uuid.uuid4()}".encode()).hexdigest()[:8], 16)
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                sampler = optuna.samplers.TPESampler(seed=seed, n_startup_trials=min(10, max(4, spec.budget // 4)),
-                                                     multivariate=True, constant_liar=True)
-        t0 = time.perf_counter()
-        self.study, self.created = self._join(sampler, where, wait_s)
-        self.join_s = time.perf_counter() - t0     # creating / loading the study (and enqueueing the plan)
 
     # -- joining --------------------------------------------------------------------------
-    def _planned(self) -> list[BlockSizes]:
-        if self.sample_mode:
-            return [self.plan.heuristic] if self.plan.heuristic is not None else []
-        from .search import make_search
-        s = make_search(self.spec.search, self.cands, budget=self.spec.budget, seed=self.spec.seed,
-                        first=self.plan.heuristic)
-        out = []
-        while len(out) < self.spec.budget:
-            bs = s.ask()
-            if bs is None:
-                break
-            out.append(bs)
-        return out
+    def open(self, spec, plan, ctx, store) -> dict:
+        self.spec, self.ctx = spec, ctx
+        self.dists = _dists(plan.candidates) if plan.candidates else {}
+        self.candidates = len(plan.candidates)
+        self.name = study_name(ctx.kernel.name, spec.key_id, ctx.wid, spec.backend)
+        self.identity = dict(kernel=ctx.kernel.name, kernel_version=ctx.kversion, evaluator_version=ctx.ev_version,
+                             space=space_hash(plan.candidates), search=spec.search, budget=int(spec.budget),
+                             seed=int(spec.seed), refine=int(spec.refine))
+        t0 = time.perf_counter()
+        self.study, self.created = self._join()
+        recorded = store.recorded()
+        if spec.backend == "compile":      # other token buckets' studies: the seeds (engine.sibling_configs)
+            recorded.update(self._related_rows())
+        for t in sorted(self.study.get_trials(deepcopy=False), key=lambda t: t.number):
+            if "row" in t.user_attrs and not t.user_attrs.get("skipped"):
+                row = _row_from_json(t.user_attrs["row"])
+                recorded[row["config_id"]] = row
+                self.base[row["config_id"]] = t.number
+        self.join_s = time.perf_counter() - t0
+        self._hb_thread = threading.Thread(target=self._beat_loop, daemon=True, name="rpa-tune-heartbeat")
+        self._hb_thread.start()
+        return recorded
 
-    def meta(self) -> dict:
-        s = self.spec
-        return dict(key_id=s.key_id, workload_id=self.ctx.wid, workload=s.workload_desc, backend=s.backend,
-                    generation=s.key.generation, case=s.key.case, kernel=self.ctx.kernel.name,
-                    search=s.search, budget=int(s.budget), total=self.total, candidates=len(self.cands),
-                    sample_mode=self.sample_mode)
-
-    def _join(self, sampler, where, wait_s):
+    def _join(self):
         optuna = self.optuna
         try:
             study = optuna.create_study(study_name=self.name, storage=self.storage, direction="minimize",
-                                        sampler=sampler, load_if_exists=False)
-            created = True
-        except optuna.exceptions.DuplicatedStudyError:
-            study = optuna.load_study(study_name=self.name, storage=self.storage, sampler=sampler)
-            created = False
-        if created:
+                                        load_if_exists=False)
             study.set_user_attr("rpa_tune", self.identity)
-            study.set_user_attr("meta", self.meta())
-            self._enqueue(study, self.planned)
-            study.set_user_attr("enqueued", "creator")
             return study, True
-        deadline = time.monotonic() + wait_s
+        except optuna.exceptions.DuplicatedStudyError:
+            study = optuna.load_study(study_name=self.name, storage=self.storage)
+        deadline = time.monotonic() + self.wait_s
         attrs = study.user_attrs
-        while "rpa_tune" not in attrs and time.monotonic() < deadline:
+        while "rpa_tune" not in attrs and time.monotonic() < deadline:   # its creator is about to set it
             time.sleep(0.2)
             attrs = study.user_attrs
         have = attrs.get("rpa_tune")
         if have is None:
-            raise StudyMismatch(f"study {self.name} in {where} has no rpa-tune identity (not made by rpa-tune?)")
-        msg = mismatch_message(self.name, have, self.identity, where)
+            raise StudyMismatch(f"study {self.name} in {self.where} has no rpa-tune identity (not made by rpa-tune?)")
+        msg = mismatch_message(self.name, have, self.identity, self.where)
         if msg:
             raise StudyMismatch(msg)
-        while not attrs.get("enqueued") and time.monotonic() < deadline:
-            time.sleep(0.2)
-            attrs = study.user_attrs
-        if not attrs.get("enqueued"):     # its creator died before enqueueing: add what is missing
-            known = {_bs_of(t) for t in study.get_trials(deepcopy=False)}
-            self._enqueue(study, [bs for bs in self.planned if bs not in known])
-            study.set_user_attr("enqueued", "joiner")
         return study, False
 
-    def _enqueue(self, study, configs) -> None:
-        optuna = self.optuna
-        study.add_trials([optuna.trial.create_trial(
-            state=optuna.trial.TrialState.WAITING, params={k: int(v) for k, v in bs._asdict().items()},
-            distributions=self.dists, user_attrs={"planned": True}) for bs in configs])
+    def _related_rows(self) -> dict:
+        """The rows of the storage's studies of the same kernel, generation, case and backend
+        (another token bucket or workload)."""
+        want = (self.ctx.kernel.name, self.spec.key.generation, self.spec.key.case, self.spec.backend)
+        rows = {}
+        for s in rpa_studies(self.storage):
+            m = s.user_attrs.get("meta", {})
+            if s.study_name != self.name and (m.get("kernel"), m.get("generation"), m.get("case"),
+                                              m.get("backend")) == want:
+                for r in trial_rows(self.storage.get_all_trials(s._study_id, deepcopy=False)):
+                    rows[r["config_id"]] = r
+        return rows
+
+    def planned(self, total: int) -> None:
+        self.total = int(total)
+        if self.created or "meta" not in self.study.user_attrs:
+            s = self.spec
+            self.study.set_user_attr("meta", dict(
+                key_id=s.key_id, workload_id=self.ctx.wid, workload=s.workload_desc, backend=s.backend,
+                generation=s.key.generation, case=s.key.case, kernel=self.ctx.kernel.name, search=s.search,
+                budget=int(s.budget), refine=int(s.refine), total=self.total, candidates=self.candidates))
 
     def _timed(self, t0: float) -> None:
         self.storage_s += time.perf_counter() - t0
         self.storage_calls += 1
 
     # -- heartbeats and stale trials ---------------------------------------------------------
-    def start_heartbeats(self) -> None:
-        self._hb_thread = threading.Thread(target=self._beat_loop, daemon=True, name="rpa-tune-heartbeat")
-        self._hb_thread.start()
-
     def _beat(self, tid: int) -> None:
         try:
             if self.rdb:
@@ -429,6 +428,9 @@ class Session:
         self._stop.set()
         if self._hb_thread is not None:
             self._hb_thread.join(timeout=5)
+
+    def tick(self) -> None:
+        self.fail_stale()
 
     def fail_stale(self, force: bool = False) -> None:
         """Fail RUNNING trials whose worker stopped beating; each is added back as WAITING
@@ -471,188 +473,129 @@ class Session:
             self._timed(t0)
 
     # -- claiming -----------------------------------------------------------------------------
-    def _claimed_elsewhere(self, tid: int, number: int, bs: BlockSizes) -> bool:
-        """Whether another trial owns ``bs``: one with a row (done), or RUNNING with a lower
-        number. Lower-numbered RUNNING trials whose config is not yet known are waited for
-        (a few seconds), so every worker decides by the same order."""
+    def acquire(self, bs, cid, prev, redo, phase) -> Grant:
+        t0 = time.perf_counter()
+        try:
+            return self._acquire(bs, prev, redo, phase, self.base.get(cid, -1) if redo else -1)
+        finally:
+            self._timed(t0)
+
+    def _acquire(self, bs, prev, redo, phase, base: int) -> Grant:
+        """``base``: the number of the trial whose row is evaluated again (``redo``); it and
+        the trials before it no longer answer for the config."""
         TS = self.optuna.trial.TrialState
-        deadline = time.monotonic() + 10.0
-        while True:
-            unknown = False
-            for t in self.study.get_trials(deepcopy=False):
-                if t._trial_id == tid or t.user_attrs.get("skipped"):
-                    continue
-                other = _bs_of(t)
-                if t.state == TS.RUNNING and t.number < number and other is None:
-                    unknown = True
-                    continue
-                if other != bs:
-                    continue
-                if "row" in t.user_attrs or (t.state == TS.RUNNING and t.number < number):
-                    return True
-            if not unknown or time.monotonic() > deadline:
-                return False
-            time.sleep(0.05)
+        for _ in range(20):
+            live = [t for t in self._trials_of(bs) if t.number > base and not t.user_attrs.get("skipped")]
+            rows = sorted((t for t in live if "row" in t.user_attrs), key=lambda t: t.number)
+            if rows:
+                return Grant(DONE, row=_row_from_json(rows[0].user_attrs["row"]))
+            if any(t.state == TS.RUNNING for t in live):
+                return Grant(PENDING)
+            waiting = sorted((t for t in live if t.state == TS.WAITING), key=lambda t: t.number)
+            if not waiting:
+                if sum(t.state == TS.FAIL for t in live) > MAX_RETRY:
+                    return Grant(DONE)          # every worker that took it died: given up
+                self._create(bs, phase)
+                continue
+            mine = None
+            for t in waiting:
+                if self._take(t._trial_id):
+                    if mine is None:
+                        mine = t
+                    else:
+                        self._skip(t._trial_id, "duplicate")
+            if mine is None:
+                continue
+            tid = mine._trial_id
+            if self._lost_race(bs, mine, base):
+                self._skip(tid, "duplicate")
+                continue
+            if self._over(bs, mine.number, mine.user_attrs.get("phase", phase)):
+                self._skip(tid, "budget")
+                return Grant(OVER)
+            self._own(tid, mine.number, bs)
+            if prev is not None and not redo:     # in this worker's results already
+                self.record(tid, prev)
+                return Grant(DONE, row=prev)
+            return Grant(RUN, token=tid)
+        return Grant(PENDING)
+
+    def _trials_of(self, bs) -> list:
+        """The trials of ``bs``; WAITING copies of a trial that was finished (a row, a skip)
+        when its worker died are closed on the way."""
+        out = []
+        for t in self.study.get_trials(deepcopy=False):
+            if _bs_of(t) != bs:
+                continue
+            out.append(t)
+            if t.state == self.optuna.trial.TrialState.WAITING and (
+                    "row" in t.user_attrs or t.user_attrs.get("skipped")) and self._take(t._trial_id):
+                self._tell(t.number, _row_from_json(t.user_attrs["row"]) if "row" in t.user_attrs else None)
+        return out
+
+    def _create(self, bs, phase: str) -> None:
+        optuna = self.optuna
+        self.storage.create_new_trial(self.study._study_id, template_trial=optuna.trial.create_trial(
+            state=optuna.trial.TrialState.WAITING, params={k: int(v) for k, v in bs._asdict().items()},
+            distributions=self.dists, user_attrs={"phase": phase}))
+
+    def _take(self, tid: int) -> bool:
+        """WAITING -> RUNNING through the storage (atomic: a row lock in PostgreSQL, an
+        immediate transaction in SQLite, the journal's ordered log)."""
+        try:
+            return self.storage.set_trial_state_values(tid, self.optuna.trial.TrialState.RUNNING)
+        except self.optuna.exceptions.UpdateFinishedTrialError:
+            return False
+
+    def _lost_race(self, bs, mine, base: int) -> bool:
+        """Whether another trial answers for ``bs``: one with a row, or RUNNING with a lower
+        number than ``mine`` (every worker decides by the same order)."""
+        TS = self.optuna.trial.TrialState
+        return any(t._trial_id != mine._trial_id and t.number > base and not t.user_attrs.get("skipped")
+                   and ("row" in t.user_attrs or (t.state == TS.RUNNING and t.number < mine.number))
+                   for t in self._trials_of(bs))
+
+    def _over(self, bs, number: int, phase: str) -> bool:
+        """Whether the study's budget (head and strategy configs: ``--budget``; climb:
+        ``--refine``) was spent by other configs' trials before trial ``number``."""
+        if phase not in ("budget", "climb"):
+            return False             # the heuristic, replays and seeds are always asked
+        group, cap = (("climb",), self.spec.refine) if phase == "climb" else (("head", "budget"), self.spec.budget)
+        seen = {_bs_of(t) for t in self.study.get_trials(deepcopy=False)
+                if t.number < number and t.user_attrs.get("phase") in group and not t.user_attrs.get("skipped")}
+        seen.discard(bs)
+        return len(seen) >= cap
+
+    def _own(self, tid: int, number: int, bs) -> None:
+        with self._lock:
+            self.inflight[tid] = bs
+            self.numbers[tid] = number
+        self._beat(tid)          # first: an owned trial has a heartbeat (fail_stale)
+        self.storage.set_trial_user_attr(tid, "worker", self.worker)
+        self.storage.set_trial_user_attr(tid, "owned", tid)
 
     def _skip(self, tid: int, why: str) -> None:
         self.storage.set_trial_user_attr(tid, "skipped", why)
         self.storage.set_trial_user_attr(tid, "worker", self.worker)
         self.study.tell(self.storage.get_trial(tid).number, state=self.optuna.trial.TrialState.PRUNED)
 
-    def _may_duplicate(self, trial) -> bool:
-        """Whether another trial may hold the same config: always when TPE proposes configs
-        or the study's plan was completed by a joining worker; for a plan enqueued once by
-        the study's creator only a retried trial (its first attempt failed, so no)."""
-        if self.sample_mode or self.study_user_attr("enqueued") != "creator":
-            return True
-        return False
-
-    def study_user_attr(self, name):
-        if name not in self._study_attrs:
-            self._study_attrs = self.study.user_attrs
-        return self._study_attrs.get(name)
-
-    def _own(self, trial, number: int) -> None:
-        tid = trial._trial_id
-        with self._lock:
-            self.inflight[tid] = _bs_of(trial)
-            self.numbers[tid] = number
-        self._beat(tid)          # first: an owned trial has a heartbeat (fail_stale)
-        self.storage.set_trial_user_attr(tid, "worker", self.worker)
-        self.storage.set_trial_user_attr(tid, "owned", tid)
-
-    def _pop_waiting(self):
-        TS = self.optuna.trial.TrialState
-        for t in self.study.get_trials(deepcopy=False, states=(TS.WAITING,)):
-            try:
-                if self.storage.set_trial_state_values(t._trial_id, TS.RUNNING):
-                    return self.storage.get_trial(t._trial_id)
-            except self.optuna.exceptions.UpdateFinishedTrialError:
-                continue
-        return None
-
-    def claim(self):
-        """(trial id, BlockSizes) this worker now owns, or None (nothing claimable now)."""
-        t0 = time.perf_counter()
-        try:
-            return self._claim()
-        finally:
-            self._timed(t0)
-
-    def _claim(self):
-        TS = self.optuna.trial.TrialState
-        for _ in range(400):
-            trial = self._pop_waiting()
-            if trial is None:
-                if not self.sample_mode:
-                    self.exhausted_reason = "every planned config claimed"
-                    return None
-                trial = self._sample()
-                if trial is None:
-                    return None
-            bs = _bs_of(trial)
-            tid, number = trial._trial_id, trial.number
-            inherited = trial.user_attrs     # a retried trial carries its failed attempt's attributes
-            if inherited.get("skipped"):     # its worker died while skipping it
-                self._skip(tid, str(inherited["skipped"]))
-                continue
-            if "row" in inherited:           # its worker died between recording the row and the tell
-                self.numbers[tid] = number
-                self.finish(tid, _row_from_json(inherited["row"]))
-                continue
-            if bs is None or bs not in self.cand_set:
-                self._skip(tid, "not a candidate")
-                self.misses += 1
-                continue
-            for k, v in bs._asdict().items():     # popped trials keep their params; set any missing
-                if k not in trial.params:
-                    self.storage.set_trial_param(tid, k, self.dists[k].to_internal_repr(int(v)), self.dists[k])
-            self._own(trial, number)
-            if self._may_duplicate(trial) and self._claimed_elsewhere(tid, number, bs):
-                with self._lock:
-                    self.inflight.pop(tid, None)
-                self._skip(tid, "duplicate")
-                self.misses += 1
-                continue
-            if self.sample_mode and self._over_budget(number):
-                with self._lock:
-                    self.inflight.pop(tid, None)
-                self._skip(tid, "budget")
-                self.exhausted_reason = f"budget of {self.spec.budget} evaluations reached"
-                return None
-            self.misses = 0
-            return tid, bs
-        self.exhausted_reason = "TPE proposed only known or illegal configs"
-        return None
-
-    def _sample(self):
-        TS = self.optuna.trial.TrialState
-        trials = self.study.get_trials(deepcopy=False)
-        owned = {_bs_of(t) for t in trials if not t.user_attrs.get("skipped") and t.state != TS.FAIL
-                 and ("row" in t.user_attrs or t.state in (TS.RUNNING, TS.WAITING))}
-        if self._count_claims(trials, None) >= self.spec.budget:
-            self.exhausted_reason = f"budget of {self.spec.budget} evaluations reached"
-            return None
-        if self._patience_reached(trials):
-            return None
-        rest = [c for c in self.cands if c not in owned]
-        if not rest:
-            self.exhausted_reason = "every candidate evaluated"
-            return None
-        if self.misses >= 50:      # TPE keeps proposing known / illegal configs: an unexplored one
-            bs = rest[int(hashlib.sha256(f"{self.worker}{len(trials)}".encode()).hexdigest()[:8], 16) % len(rest)]
-            self._enqueue(self.study, [bs])
-            self.misses = 0
-            return self._pop_waiting()
-        trial = self.study.ask(self.dists)
-        return self.storage.get_trial(trial._trial_id)
-
-    def _count_claims(self, trials, below: int | None) -> int:
-        TS = self.optuna.trial.TrialState
-        seen = set()
-        for t in trials:
-            if below is not None and t.number >= below:
-                continue
-            if t.user_attrs.get("skipped") or t.state == TS.FAIL:
-                continue
-            bs = _bs_of(t)
-            if bs in self.cand_set and ("row" in t.user_attrs or t.state in (TS.RUNNING, TS.WAITING)):
-                seen.add(bs)
-        return len(seen)
-
-    def _over_budget(self, number: int) -> bool:
-        return self._count_claims(self.study.get_trials(deepcopy=False), number) >= self.spec.budget
-
-    def _patience_reached(self, trials) -> bool:
-        from .search import Search
-        if self.spec.patience <= 0:
-            return False
-        s = Search([], budget=self.spec.budget, patience=self.spec.patience)
-        for t in sorted(trials, key=lambda t: t.number):
-            if "row" in t.user_attrs:
-                r = json.loads(t.user_attrs["row"])
-                s.tell(None, r.get("status"), r.get("metric"))
-        if s.should_stop():
-            self.exhausted_reason = s.stop_reason
-            return True
-        return False
+    def _tell(self, number: int, row: dict | None) -> None:
+        """Log metric for an ok row, PRUNED otherwise."""
+        m = (row or {}).get("metric")
+        if row and row.get("status") == "ok" and m is not None and m > 0:
+            self.study.tell(number, math.log(m))
+        else:
+            self.study.tell(number, state=self.optuna.trial.TrialState.PRUNED)
 
     # -- finishing ------------------------------------------------------------------------------
-    def finish(self, tid: int, row: dict) -> None:
-        """Record ``row`` on the trial and tell Optuna (log metric for ok, PRUNED otherwise)."""
+    def record(self, tid: int, row: dict) -> None:
+        """Record ``row`` on the trial and tell Optuna."""
         t0 = time.perf_counter()
         try:
-            TS = self.optuna.trial.TrialState
             number = self.numbers.pop(tid, None)
             try:
                 self.storage.set_trial_user_attr(tid, "row", _row_json(row))
-                if number is None:
-                    number = self.storage.get_trial(tid).number
-                m = row.get("metric")
-                if row.get("status") == "ok" and m is not None and m > 0:
-                    self.study.tell(number, math.log(m))
-                else:
-                    self.study.tell(number, state=TS.PRUNED)
+                self._tell(self.storage.get_trial(tid).number if number is None else number, row)
             except self.optuna.exceptions.UpdateFinishedTrialError:
                 # failed as stale meanwhile (this worker's heartbeats were held up longer than
                 # --grace) and given back: the row stays in this worker's results store
@@ -674,107 +617,23 @@ class Session:
             except Exception:  # noqa: BLE001 - stale detection gives it back later
                 pass
 
-    def others_running(self) -> int:
-        TS = self.optuna.trial.TrialState
-        t0 = time.perf_counter()
-        try:
-            return sum(1 for t in self.study.get_trials(deepcopy=False, states=(TS.RUNNING, TS.WAITING))
-                       if t._trial_id not in self.inflight and not t.user_attrs.get("skipped"))
-        finally:
-            self._timed(t0)
-
-    def study_rows(self) -> list[dict]:
-        return trial_rows(self.study.get_trials(deepcopy=False))
-
-
-# ------------------------------------------------------------------- the worker loop
-def run_distributed(spec, store, storage_text: str, *, events=None, pool_env: dict | None = None,
-                    heartbeat: float = DEFAULT_HEARTBEAT, grace: float = DEFAULT_GRACE, storage=None):
-    """``engine.run_sweep`` as one of many workers of the study in ``storage_text``.
-
-    Rows go to ``store`` (this worker's) and to the study. Raises ``StorageError`` /
-    ``StudyMismatch`` before evaluating anything."""
-    from . import engine
-    from .evaluators import base
-    events = events or engine.Events()
-    t_start = time.monotonic()
-    su = parse_storage(storage_text)
-    plan = engine.plan_sweep(spec)
-    ctx = engine.sweep_context(spec)
-    outcome = engine.Outcome(spec, plan, counts={s: 0 for s in base.STATUSES})
-    if storage is None:
-        storage = open_storage(storage_text, heartbeat=heartbeat, grace=grace)
-    sess = Session(storage, spec, plan, ctx, where=su.display(), heartbeat=heartbeat, grace=grace)
-    outcome.study = sess.name
-    recorded = store.recorded()
-    sweep_id = uuid.uuid4().hex[:12]
-    before = {r["config_id"] for r in sess.study_rows()}
-    events.start(spec, plan, sess.total)
-    poll = max(0.2, min(0.5, heartbeat / 2))
-    pool = engine.WorkerPool(spec.backend, 1 if spec.backend == "tpu" else spec.jobs, env=pool_env)
-    sess.start_heartbeats()
-    try:
-        while True:
-            sess.fail_stale()
-            exhausted = False
-            while not exhausted and pool.free_slots() > 0:
-                got = sess.claim()
-                if got is None:
-                    exhausted = True
-                    break
-                tid, bs = got
-                prev = recorded.get(ctx.config_id(bs))
-                if prev is not None and prev["status"] not in spec.retry:   # in this worker's results already
-                    prev = dict(prev, is_heuristic=bs == plan.heuristic)
-                    sess.finish(tid, prev)
-                    outcome.resumed += 1
-                    engine.note_row(outcome, prev)
-                    events.resumed(prev)
-                    continue
-                pool.submit(engine.make_task(spec, plan, bs), (tid, bs))
-                events.dispatched(bs)
-            if pool.busy == 0:
-                if sess.others_running() == 0:
-                    sess.fail_stale(force=True)
-                    if sess.others_running() == 0:
-                        break
-                time.sleep(poll)      # others evaluate; their stale trials come back to us
-                continue
-            for (tid, bs), task, res, eval_s in pool.wait(timeout=poll):
-                row = ctx.row(plan, bs, res, eval_s, sweep_id)
-                # the study first: a worker killed between the two writes leaves the row in the
-                # study (not redone, and exported from there) rather than only in its own store
-                try:
-                    sess.finish(tid, row)
-                finally:
-                    store.append([row])
-                recorded[row["config_id"]] = row
-                outcome.evaluated += 1
-                engine.note_row(outcome, row)
-                events.finished(row, outcome)
-        rows = sess.study_rows()
-        outcome.resumed += len({r["config_id"] for r in rows} & before)
-        ok = [r for r in rows if r.get("status") == base.OK and r.get("metric") is not None]
+    def finish(self, outcome) -> None:
+        """The study's best and heuristic rows (every worker's), and its progress."""
+        outcome.study, outcome.storage_join_s = self.name, self.join_s
+        outcome.storage_s, outcome.storage_calls = self.storage_s, self.storage_calls
+        if self.study is None or outcome.interrupted:
+            return
+        trials = self.study.get_trials(deepcopy=False)
+        rows = {r["config_id"]: r for r in trial_rows(trials)}
+        ok = [r for r in rows.values() if r.get("status") == "ok" and r.get("metric") is not None]
         if ok:
             outcome.best = min(ok, key=lambda r: r["metric"])
-        h = [r for r in rows if r.get("is_heuristic")]
+        h = [r for r in rows.values() if r.get("is_heuristic")]
         if h:
-            outcome.heuristic_row = h[0]
-        workers = {t.user_attrs.get("worker") for t in sess.study.get_trials(deepcopy=False)} - {None}
-        done = len({r["config_id"] for r in rows})
-        outcome.stop_reason = (f"study {sess.name}: {done} of {sess.total} configs done by {len(workers)} "
-                               f"worker(s); {sess.exhausted_reason or 'nothing left'}")
-    except KeyboardInterrupt:
-        sess.give_back()
-        outcome.interrupted = True
-        outcome.stop_reason = "interrupted: this worker's claimed configs were given back to the study"
-    finally:
-        sess.close()
-        pool.close()
-        outcome.elapsed_s = time.monotonic() - t_start
-        outcome.storage_s, outcome.storage_calls = sess.storage_s, sess.storage_calls
-        outcome.storage_join_s = sess.join_s
-    return outcome
+            outcome.heuristic_row = h[-1]
+        workers = {t.user_attrs.get("worker") for t in trials} - {None}
+        outcome.stop_reason = (f"study {self.name}: {len(rows)} of {self.total} configs done by {len(workers)} "
+                               f"worker(s); {outcome.stop_reason}")
 
 
 # ----------------------------------------------------------------------- reading back

@@ -1,10 +1,11 @@
 """The sweep engine: enumerate -> legality -> VMEM pre-filter -> evaluate -> record.
 
-Evaluations run in worker subprocesses (``rpa_tune.worker``), ``jobs`` at a time. Each
-worker lives in its own process group; an evaluation that exceeds its timeout gets its
-whole group killed and is recorded as ``timeout``; a worker that dies (libtpu abort,
-segfault, OOM kill) has its evaluation recorded as ``crash`` with the tail of its
-stderr. Either way a fresh worker replaces it and the sweep goes on.
+One loop (``run_sweep``) for every sweep: the search (``rpa_tune.search``) asks configs,
+a scheduler (``rpa_tune.schedulers``) says which of them this process evaluates, and the
+local worker pool (``rpa_tune.pool``) evaluates them, ``jobs`` at a time. The scheduler is
+this process alone (``LocalScheduler``, the default) or a study in a shared Optuna
+storage (``distributed.StudyScheduler``, ``sweep --storage``), where a config another
+worker claimed or finished is waited for and its outcome told to this worker's search.
 
 Every finished evaluation is written to the store at once (one atomic Parquet file), so
 an interrupted sweep (Ctrl-C, ``kill -9``) loses nothing that finished; rerunning the
@@ -15,16 +16,8 @@ from __future__ import annotations
 import dataclasses
 import datetime as _dt
 import json
-import os
-import queue
-import signal
-import subprocess
-import sys
-import tempfile
-import threading
 import time
 import uuid
-from pathlib import Path
 
 from kernel.config import BlockSizes, Case, TuningKey
 from kernel.workload import ModelShape, ServingLimits, Workload
@@ -32,232 +25,14 @@ from kernel.workload import ModelShape, ServingLimits, Workload
 from . import prefilter, provenance
 from .evaluators import base, evaluator_version
 from .evaluators.base import EvalResult, Task
+from .pool import WorkerPool
+from .schedulers import DONE, OVER, PENDING, RUN, LocalScheduler, Scheduler
 from .search import SEEDED, make_search
 from .space import CaseSpace, context, enumerate_space
 from .store import ResultStore, config_id, row_block_sizes
-from .worker import LOG_DIR_ENV, MARK, PARENT_ENV
 from .workloads import workload_id
 
-WORKER_START_TIMEOUT = 300.0
-
-
-def grace_seconds(timeout: float) -> float:
-    """Time the engine waits past ``timeout`` before killing a worker (the evaluator
-    itself is told ``timeout`` and normally returns first)."""
-    return min(15.0, max(2.0, 0.1 * timeout))
-
-
-# ============================================================================ workers
-@dataclasses.dataclass
-class _Job:
-    id: int
-    task: Task
-    payload: object
-    dispatched: float
-    deadline: float | None = None
-
-
-class _Worker:
-    def __init__(self, backend: str, env: dict, log_dir: Path, index: int):
-        self.log_path = log_dir / f"worker-{index}-{uuid.uuid4().hex[:6]}.log"
-        self.log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "rpa_tune.worker", backend], stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, stderr=self.log, env=env, start_new_session=True,
-            text=True, bufsize=1)
-        self.started = time.monotonic()
-        self.ready_at: float | None = None
-        self.job: _Job | None = None
-        self.dead = False
-
-    def kill(self) -> None:
-        if self.dead:
-            return
-        self.dead = True
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            pass
-        for f in (self.proc.stdin, self.proc.stdout):
-            try:
-                f.close()
-            except (OSError, ValueError):
-                pass
-        self.log.close()
-
-    def stderr_tail(self, n: int = 1500) -> str:
-        try:
-            data = self.log_path.read_bytes()[-20000:].decode("utf-8", "replace")
-        except OSError:
-            return ""
-        lines = [l for l in data.splitlines() if l.strip()]
-        return " | ".join(lines[-10:])[-n:]
-
-
-class WorkerPool:
-    """``jobs`` worker processes for one backend; ``submit`` tasks, ``wait`` for results."""
-
-    def __init__(self, backend: str, jobs: int, *, env: dict | None = None):
-        self.backend = backend
-        self.jobs = max(1, int(jobs))
-        self.env = base.worker_env(backend, env, self.jobs)
-        self.env[PARENT_ENV] = str(os.getpid())
-        repo = str(provenance.REPO_DIR)
-        self.env["PYTHONPATH"] = repo + (os.pathsep + self.env["PYTHONPATH"] if self.env.get("PYTHONPATH") else "")
-        self._tmp = tempfile.TemporaryDirectory(prefix="rpa_tune_workers_")
-        self.log_dir = Path(self._tmp.name)
-        self.env[LOG_DIR_ENV] = self._tmp.name    # a worker removes it if we die by SIGKILL
-        self._q: queue.Queue = queue.Queue()
-        self._workers: list[_Worker | None] = [None] * self.jobs
-        self._next_id = 0
-        self._spawned = 0
-
-    # -- worker lifecycle ----------------------------------------------------------------
-    def _spawn(self, slot: int) -> _Worker:
-        w = _Worker(self.backend, self.env, self.log_dir, self._spawned)
-        self._spawned += 1
-        self._workers[slot] = w
-        threading.Thread(target=self._reader, args=(w,), daemon=True).start()
-        return w
-
-    def _reader(self, w: _Worker) -> None:
-        try:
-            for line in w.proc.stdout:
-                if line.startswith(MARK):
-                    try:
-                        self._q.put((w, json.loads(line[len(MARK):])))
-                    except json.JSONDecodeError:
-                        pass
-        except (OSError, ValueError):
-            pass
-        self._q.put((w, None))   # EOF: the worker exited
-
-    # -- API -----------------------------------------------------------------------------
-    @property
-    def busy(self) -> int:
-        return sum(1 for w in self._workers if w is not None and w.job is not None)
-
-    def free_slots(self) -> int:
-        return self.jobs - self.busy
-
-    def submit(self, task: Task, payload=None) -> None:
-        slot = next((i for i, w in enumerate(self._workers) if w is None or w.job is None), None)
-        if slot is None:
-            raise RuntimeError("no free worker")
-        w = self._workers[slot]
-        if w is None or w.dead or w.proc.poll() is not None:
-            w = self._spawn(slot)
-        self._next_id += 1
-        job = _Job(self._next_id, task, payload, time.monotonic())
-        if w.ready_at is not None:
-            job.deadline = time.monotonic() + task.timeout + grace_seconds(task.timeout)
-        w.job = job
-        try:
-            w.log.truncate(0)
-        except OSError:
-            pass
-        try:
-            w.proc.stdin.write(json.dumps({"id": job.id, "task": task.to_json()}) + "\n")
-            w.proc.stdin.flush()
-        except (OSError, ValueError):
-            pass  # the reader thread reports the dead worker
-
-    def wait(self, timeout: float | None = None) -> list[tuple[object, Task, EvalResult, float]]:
-        """Block until at least one submitted task finished (or ``timeout`` s passed)."""
-        done: list = []
-        end = None if timeout is None else time.monotonic() + timeout
-        while not done:
-            now = time.monotonic()
-            if end is not None and now >= end:
-                break
-            if self.busy == 0:
-                break
-            deadlines = [self._deadline(w) for w in self._workers if w is not None and w.job is not None]
-            nearest = min(deadlines) if deadlines else now + 1.0
-            limit = min(nearest, end) if end is not None else nearest
-            try:
-                w, msg = self._q.get(timeout=max(0.01, min(1.0, limit - now)))
-                self._handle(w, msg, done)
-                while True:   # drain whatever else is ready
-                    w, msg = self._q.get_nowait()
-                    self._handle(w, msg, done)
-            except queue.Empty:
-                pass
-            self._check_deadlines(done)
-        return done
-
-    def _deadline(self, w: _Worker) -> float:
-        if w.job.deadline is not None:
-            return w.job.deadline
-        return w.started + WORKER_START_TIMEOUT
-
-    def _handle(self, w: _Worker, msg, done: list) -> None:
-        if w.dead:
-            return
-        if msg is None:   # the worker died
-            code = w.proc.poll()
-            if code is None:
-                try:
-                    code = w.proc.wait(timeout=5)
-                except subprocess.TimeoutExpired:
-                    code = "?"
-            job = w.job
-            how = f"killed by signal {-code}" if isinstance(code, int) and code < 0 else f"exit code {code}"
-            tail = w.stderr_tail()
-            w.kill()
-            if job is not None:
-                w.job = None
-                res = EvalResult(base.CRASH, "", message=f"worker process died ({how}): {tail}")
-                done.append((job.payload, job.task, res, time.monotonic() - job.dispatched))
-            return
-        if msg.get("ready"):
-            w.ready_at = time.monotonic()
-            if w.job is not None and w.job.deadline is None:
-                w.job.deadline = w.ready_at + w.job.task.timeout + grace_seconds(w.job.task.timeout)
-            return
-        job = w.job
-        if job is None or msg.get("id") != job.id:
-            return
-        w.job = None
-        res = EvalResult.from_json(msg["result"])
-        done.append((job.payload, job.task, res, float(msg.get("eval_s") or time.monotonic() - job.dispatched)))
-
-    def _check_deadlines(self, done: list) -> None:
-        now = time.monotonic()
-        for w in self._workers:
-            if w is None or w.job is None or now < self._deadline(w):
-                continue
-            job = w.job
-            w.job = None
-            started = w.ready_at is not None
-            w.kill()
-            if started:
-                res = EvalResult(base.TIMEOUT, "", message=f"evaluation exceeded --timeout {job.task.timeout:g} s "
-                                 f"(worker killed after {now - job.dispatched:.0f} s)")
-            else:
-                res = EvalResult(base.CRASH, "", message=f"worker did not start within {WORKER_START_TIMEOUT:.0f} s: "
-                                 + w.stderr_tail())
-            done.append((job.payload, job.task, res, now - job.dispatched))
-
-    def close(self) -> None:
-        for w in self._workers:
-            if w is not None:
-                w.kill()
-        self._workers = [None] * self.jobs
-        try:
-            self._tmp.cleanup()
-        except OSError:
-            pass
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
+__all__ = ["WorkerPool", "run_sweep", "plan_sweep", "sweep_context", "make_row", "make_task", "SweepSpec"]
 
 
 # ============================================================================= sweeps
@@ -509,66 +284,99 @@ def make_task(spec: SweepSpec, plan: Plan, bs: BlockSizes) -> Task:
                 kernel=spec.tuned_kernel.name, soft_cap=spec.soft_cap, heuristic=bs == plan.heuristic)
 
 
-def run_sweep(spec: SweepSpec, store: ResultStore, *, events: Events | None = None,
-              pool_env: dict | None = None) -> Outcome:
+def run_sweep(spec: SweepSpec, store: ResultStore, *, scheduler: Scheduler | None = None,
+              events: Events | None = None, pool_env: dict | None = None) -> Outcome:
+    """Sweep ``spec``: the search asks, ``scheduler`` (default: this process alone) grants,
+    the worker pool evaluates, every row goes to ``store`` at once. The scheduler may refuse
+    the sweep (raise) before anything is evaluated."""
     events = events or Events()
+    sched = scheduler or LocalScheduler()
     t_start = time.monotonic()
     plan = plan_sweep(spec)
     outcome = Outcome(spec, plan, counts={s: 0 for s in base.STATUSES})
     ctx = sweep_context(spec)
-    recorded = store.recorded()
-    seeds = sibling_configs(spec, ctx, recorded)
-    # What the search proposes depends on its seeds, which grow between runs, and with parallel
-    # jobs on the order outcomes arrive in: a rerun then replays its own earlier picks (one
-    # job and no seeds: it proposes them again, in the same order)
-    replay = own_picks(spec, ctx, recorded) if seeds or spec.jobs > 1 else []
-    search = make_search(spec.search, plan.candidates, budget=spec.budget, seed=spec.seed,
-                         first=plan.heuristic, patience=spec.patience, jobs=spec.jobs, seeds=seeds,
-                         replay=replay, refine=spec.refine)
-    outcome.search_note = search.fallback
-    if search.seeds:
-        outcome.search_note = "; ".join(x for x in (outcome.search_note, (
-            f"{len(search.seeds)} configs evaluated at other token buckets of the key first (outside the "
-            "budget)")) if x)
-    # the head is always asked (replayed picks may outnumber the budget: rows recorded before
-    # seeds were marked as such count as picks), then the budget, the seeds and the climb
-    limit = max(spec.budget, len(search.head) - len(search.seeds)) + len(search.seeds) + spec.refine
-    seeded = set(search.seeds)
-    total = min(limit, len(plan.candidates))
-    sweep_id = uuid.uuid4().hex[:12]
-    events.start(spec, plan, total)
-    asked = 0
-    exhausted = False
-
-    pool = WorkerPool(spec.backend, 1 if spec.backend == "tpu" else spec.jobs, env=pool_env)
+    pool = None
     try:
+        recorded = sched.open(spec, plan, ctx, store)
+        seeds = sibling_configs(spec, ctx, recorded)
+        # What the search proposes depends on its seeds, which grow between runs, and with parallel
+        # jobs (or workers) on the order outcomes arrive in: a rerun then replays its own earlier
+        # picks (one job, no seeds, no other worker: it proposes them again, in the same order)
+        parallel = spec.jobs > 1 or sched.shared
+        replay = own_picks(spec, ctx, recorded) if seeds or parallel else []
+        search = make_search(spec.search, plan.candidates, budget=spec.budget, seed=spec.seed,
+                             first=plan.heuristic, patience=spec.patience, jobs=2 if parallel else 1,
+                             seeds=seeds, replay=replay, refine=spec.refine)
+        outcome.search_note = search.fallback
+        if search.seeds:
+            outcome.search_note = "; ".join(x for x in (outcome.search_note, (
+                f"{len(search.seeds)} configs evaluated at other token buckets of the key first (outside the "
+                "budget)")) if x)
+        # the head is always asked (replayed picks may outnumber the budget: rows recorded before
+        # seeds were marked as such count as picks), then the budget, the seeds and the climb
+        limit = max(spec.budget, len(search.head) - len(search.seeds)) + len(search.seeds) + spec.refine
+        seeded = set(search.seeds)
+        total = min(limit, len(plan.candidates))
+        sched.planned(total)
+        sweep_id = uuid.uuid4().hex[:12]
+        events.start(spec, plan, total)
+        pool = WorkerPool(spec.backend, 1 if spec.backend == "tpu" else spec.jobs, env=pool_env)
+        pending: dict = {}          # config -> acquire arguments: another worker evaluates it
+        asked, exhausted, polled = 0, False, -1.0
+
+        def grant(bs: BlockSizes, args: tuple) -> None:
+            g = sched.acquire(bs, *args)
+            if g.kind == RUN:
+                pool.submit(make_task(spec, plan, bs), (bs, g.token))
+                events.dispatched(bs)
+            elif g.kind == PENDING:
+                pending[bs] = args
+            elif g.kind == OVER:
+                search.spend(bs)
+            elif g.row is None:       # given up: every worker that took it died
+                search.tell(bs, base.CRASH, None)
+            else:
+                row = dict(g.row, is_heuristic=bs == plan.heuristic)
+                outcome.resumed += 1
+                note_row(outcome, row)
+                search.tell(bs, row["status"], row.get("metric"))
+                events.resumed(row)
+
         while True:
+            sched.tick()
+            if pending and time.monotonic() - polled >= sched.poll_s:
+                polled = time.monotonic()
+                for bs in list(pending):      # done elsewhere meanwhile, or given back to the study
+                    if pool.free_slots() > 0:
+                        grant(bs, pending.pop(bs))
             # hand out work while there is budget and a free worker
             while not exhausted and asked < limit and pool.free_slots() > 0 and not search.should_stop():
                 bs = search.ask()
                 if bs is None:
                     # a climb waits for the outcomes in flight before it knows where to go next
-                    exhausted = not (search.waiting and pool.busy)
+                    exhausted = not (search.waiting and (pool.busy or pending))
                     break
                 asked += 1
-                prev = recorded.get(ctx.config_id(bs))
-                # the heuristic's crash is evaluated again: every key needs its baseline, and
-                # the probe cache answers a repeat at once (a raised memory cap profiles again)
-                if prev is not None and prev["status"] not in spec.retry and not (
-                        bs == plan.heuristic and prev["status"] == base.CRASH):
-                    prev = dict(prev, is_heuristic=bs == plan.heuristic)
-                    outcome.resumed += 1
-                    note_row(outcome, prev)
-                    search.tell(bs, prev["status"], prev.get("metric"))
-                    events.resumed(prev)
-                    continue
-                pool.submit(make_task(spec, plan, bs), bs)
-                events.dispatched(bs)
+                cid = ctx.config_id(bs)
+                prev = recorded.get(cid)
+                # --retry STATUS evaluates such rows again, and so is the heuristic's crash: every
+                # key needs its baseline, and the probe cache answers a repeat at once
+                redo = prev is not None and (prev["status"] in spec.retry or (
+                    bs == plan.heuristic and prev["status"] == base.CRASH))
+                grant(bs, (cid, prev, redo, search.phase(bs)))
             if pool.busy == 0:
-                break
-            for bs, task, res, eval_s in pool.wait():
+                if not pending:
+                    break
+                time.sleep(sched.poll_s)
+                continue
+            for (bs, token), task, res, eval_s in pool.wait(timeout=sched.poll_s if sched.shared else None):
                 row = ctx.row(plan, bs, res, eval_s, sweep_id, seeded=bs in seeded)
-                store.append([row])
+                # the shared record first: a worker killed between the two writes leaves the row
+                # there (not redone, and exported from there) rather than only in its own store
+                try:
+                    sched.record(token, row)
+                finally:
+                    store.append([row])
                 recorded[row["config_id"]] = row
                 outcome.evaluated += 1
                 note_row(outcome, row)
@@ -586,11 +394,17 @@ def run_sweep(spec: SweepSpec, store: ResultStore, *, events: Events | None = No
         else:
             outcome.stop_reason = (f"the search proposed nothing more ({asked} of {len(plan.candidates)} "
                                    "candidates asked)")
+        sched.finish(outcome)
     except KeyboardInterrupt:
+        sched.give_back()
         outcome.interrupted = True
-        outcome.stop_reason = "interrupted: rerun the same command to resume"
+        outcome.stop_reason = "interrupted: rerun the same command to resume" + (
+            " (this worker's claimed configs were given back to the study)" if sched.shared else "")
+        sched.finish(outcome)
     finally:
-        pool.close()
+        if pool is not None:
+            pool.close()
+        sched.close()
         outcome.elapsed_s = time.monotonic() - t_start
     return outcome
 

@@ -121,22 +121,49 @@ class Search:
         self.since_best = 0
         self.stop_reason = ""
         self.fallback = ""
+        self._phase: dict[BlockSizes, str] = {}
+        self._spent = False
 
     def ask(self) -> BlockSizes | None:
         """The next config to evaluate: the strategy's (``_propose``), then the climb."""
         if not self._climbing:
-            if self.refine and self._proposed >= max(len(self.head), self.budget + len(self.seeds)):
+            if self._spent or (self.refine and self._proposed >= max(len(self.head), self.budget + len(self.seeds))):
+                if not self.refine:
+                    return None
                 self._climbing = True
             else:
                 bs = self._propose()
                 if bs is not None:
                     self._proposed += 1
                     self._asked.add(bs)
+                    self._phase.setdefault(bs, "seed" if bs in set(self.seeds) else "head" if bs in set(
+                        self.head) else "budget")
                     return bs
                 if not self.refine:
                     return None
                 self._climbing = True
-        return self._climb()
+        bs = self._climb()
+        if bs is not None:
+            self._phase.setdefault(bs, "climb")
+        return bs
+
+    def phase(self, bs: BlockSizes) -> str:
+        """What asked ``bs``: ``head`` (the heuristic, a replayed pick), ``seed`` (outside the
+        budget), ``budget`` (the strategy) or ``climb`` (``refine``)."""
+        return self._phase.get(bs, "budget")
+
+    def spend(self, bs: BlockSizes) -> None:
+        """``bs`` will not be evaluated: the shared budget of its phase is spent (other
+        workers of a shared study used it). A strategy's proposal ends the proposals (the
+        climb follows, with ``refine``); a climb's ends the climb."""
+        self._asked.discard(bs)
+        if self.phase(bs) == "climb":
+            self._climbed = self.refine
+            self.stop_reason = f"the study's {self.refine} climb asks were spent by its workers"
+        else:
+            self._spent = True
+            if not self.refine:
+                self.stop_reason = f"budget of {self.budget} evaluations reached (by the study's workers)"
 
     def _propose(self) -> BlockSizes | None:
         raise NotImplementedError
@@ -294,6 +321,12 @@ class TpeSearch(Search):
         trial = self.study.ask()
         self._trials[bs] = trial
         return bs
+
+    def spend(self, bs):
+        super().spend(bs)
+        trial = self._trials.pop(bs, None)
+        if trial is not None:
+            self.study.tell(trial, state=self._optuna.trial.TrialState.FAIL)
 
     def tell(self, bs, status, metric):
         super().tell(bs, status, metric)

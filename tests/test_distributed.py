@@ -253,8 +253,6 @@ def test_tpe_with_a_budget_two_workers_never_evaluate_a_config_twice(tmp_path):
     (["status", "--storage", "mysql://h/x"], ["'mysql://h/x' is not a supported storage"]),
     (["export", "--results", "postgresql://rpa@127.0.0.1:1/x", "--out", "T"], ["cannot open", "Connection refused"]),
     (["status", "--storage", "sqlite:///{tmp}/none.db"], ["none.db' (no sweep has used it)"]),
-    (["sweep", "--tpu", "v6e", "--backend", "compile", "--storage", "sqlite:///{tmp}/none.db", "--retry", "crash"],
-     ["--retry cannot be combined with --storage"]),
     (["export", "--results", "{tmp}/none.journal", "--out", "T"], ["none.journal' (no sweep has used it)"]),
 ])
 def test_bad_storage_exits_2_with_one_line(tmp_path, args, needles):
@@ -284,32 +282,125 @@ def test_missing_postgres_driver_is_one_line(tmp_path):
     assert "needs the PostgreSQL driver psycopg2: pip install 'rpa-tune[distributed]'" in r.stderr
 
 
-def test_a_config_enqueued_twice_is_claimed_once(tmp_path, monkeypatch):
-    """A joining worker that found the plan unfinished (its creator died before marking it)
-    enqueues it again: each config is still handed out once, the copy is skipped."""
-    from rpa_tune.distributed import Session, open_storage
+def scheduler(url: str, spec, tmp_path: Path, **kw):
+    """A joined ``StudyScheduler`` for ``spec`` (its heartbeat thread stopped at teardown)."""
+    from rpa_tune.distributed import StudyScheduler, open_storage
     from rpa_tune.engine import sweep_context
+    hb = {k: kw[k] for k in ("heartbeat", "grace") if k in kw}
+    s = StudyScheduler(open_storage(url, **hb), url, **kw)
+    plan = plan_sweep(spec)
+    s.open(spec, plan, sweep_context(spec), ResultStore(tmp_path / f"res-{uuid.uuid4().hex[:6]}"))
+    s.planned(len(plan.candidates))
+    return s
+
+
+def ok_row(bs, metric=1e-4) -> dict:
+    return {"status": "ok", "metric": metric, "config_id": bs.label()}
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "journal"])
+def test_two_workers_racing_over_every_config_evaluate_each_once(kind, tmp_path, monkeypatch):
+    """Two schedulers (threads, each with its own storage connection) acquire every config in
+    the same order at the same time, each config's trial created twice: each config is
+    granted to exactly one of them; the other is told to wait, or gets its row."""
+    import threading
+    from rpa_tune.schedulers import DONE, PENDING, RUN
     monkeypatch.setenv("RPA_TUNE_KERNEL_HASH", "dist-test")
     spec = make_spec()
-    plan, ctx = plan_sweep(spec), sweep_context(spec)
-    url = f"sqlite:///{tmp_path / 'study.db'}"
-    first = Session(open_storage(url), spec, plan, ctx, where=url)
-    first.study.set_user_attr("enqueued", "joiner")
-    first._enqueue(first.study, first.planned)                  # every config twice in the queue
-    second = Session(open_storage(url), spec, plan, ctx, where=url)
-    claimed = []
-    workers = [first, second]
-    while workers:
-        for w in list(workers):
-            got = w.claim()
-            if got is None:
-                workers.remove(w)
-                continue
-            claimed.append(got[1].label())
-            w.finish(got[0], {"status": "ok", "metric": 1e-4, "config_id": got[1].label()})
-    assert sorted(claimed) == sorted(planned_labels())
-    skipped = [t for t in first.study.get_trials() if t.user_attrs.get("skipped") == "duplicate"]
-    assert len(skipped) == len(claimed)
+    url = f"sqlite:///{tmp_path / 'study.db'}" if kind == "sqlite" else str(tmp_path / "study.journal")
+    ws = [scheduler(url, spec, tmp_path), scheduler(url, spec, tmp_path)]
+    cands = plan_sweep(spec).candidates
+    for bs in cands:                                  # as two workers creating its trial at once
+        ws[0]._create(bs, "budget")
+        ws[1]._create(bs, "budget")
+    granted = collections.defaultdict(list)
+    barrier = threading.Barrier(2)
+
+    def work(i):
+        for bs in cands:
+            barrier.wait()
+            g = ws[i].acquire(bs, bs.label(), None, False, "budget")
+            granted[bs.label()].append(g.kind)
+            if g.kind == RUN:
+                ws[i].record(g.token, ok_row(bs))
+    threads = [threading.Thread(target=work, args=(i,)) for i in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    for w in ws:
+        w.close()
+    assert set(granted) == {bs.label() for bs in cands}
+    for kinds in granted.values():
+        assert sorted(kinds).count(RUN) == 1 and set(kinds) <= {RUN, PENDING, DONE}, kinds
+    rows = [t for t in ws[0].study.get_trials() if "row" in t.user_attrs]
+    assert len(rows) == len(cands), "one row per config"
+
+
+def test_a_worker_dead_after_recording_its_row_is_not_redone(tmp_path, monkeypatch):
+    """A worker that died between storing a config's row and telling Optuna: the config's
+    retried trial is answered with the stored row (and closed), never evaluated again."""
+    from rpa_tune.distributed import retry_callback
+    from rpa_tune.schedulers import DONE, RUN
+    import optuna
+    monkeypatch.setenv("RPA_TUNE_KERNEL_HASH", "dist-test")
+    spec = make_spec(budget=2)
+    url = str(tmp_path / "study.journal")
+    s = scheduler(url, spec, tmp_path)
+    bs, other = plan_sweep(spec).candidates[:2]
+    g = s.acquire(bs, bs.label(), None, False, "head")
+    assert g.kind == RUN
+    s.storage.set_trial_user_attr(g.token, "row", json.dumps(ok_row(bs, 2e-4)))
+    s.storage.set_trial_state_values(g.token, optuna.trial.TrialState.FAIL)        # as fail_stale would
+    retry_callback(3)(s.study, s.storage.get_trial(g.token))
+    again = scheduler(url, spec, tmp_path)
+    d = again.acquire(bs, bs.label(), None, False, "head")
+    assert d.kind == DONE and d.row["metric"] == 2e-4, "the retried trial is not handed out again"
+    assert again.acquire(other, other.label(), None, False, "budget").kind == RUN
+    states = collections.Counter(t.state for t in s.study.get_trials())
+    assert states[optuna.trial.TrialState.WAITING] == 0, "the copy of the finished trial was closed"
+    s.close()
+    again.close()
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "journal"])
+def test_a_worker_dead_before_its_first_heartbeat_gives_its_config_back(kind, tmp_path, monkeypatch):
+    """A worker killed between taking a trial and its first heartbeat leaves it RUNNING with
+    no heartbeat, which Optuna's stale check (RDB storages) passes over: once --grace has
+    passed since the trial started, another worker fails it and gets its config; a trial
+    its owner beats for is left alone."""
+    from rpa_tune.schedulers import PENDING, RUN
+    import optuna
+    monkeypatch.setenv("RPA_TUNE_KERNEL_HASH", "dist-test")
+    spec = make_spec()
+    url = f"sqlite:///{tmp_path / 'study.db'}" if kind == "sqlite" else str(tmp_path / "study.journal")
+    dead, owner, live = (scheduler(url, spec, tmp_path, heartbeat=1, grace=1) for _ in range(3))
+    cands = plan_sweep(spec).candidates
+    orphan_bs, owned_bs = cands[0], cands[1]
+    dead._create(orphan_bs, "head")                # taken; the worker dies before _own's beat
+    (orphan,) = [t for t in dead.study.get_trials() if t.state == optuna.trial.TrialState.WAITING]
+    assert dead._take(orphan._trial_id)
+    owned = owner.acquire(owned_bs, owned_bs.label(), None, False, "budget")     # taken and beaten for
+    assert owned.kind == RUN
+    RUNNING = optuna.trial.TrialState.RUNNING
+    state = lambda tid: live.storage.get_trial(tid).state
+    live.fail_stale(force=True)
+    assert state(orphan._trial_id) == RUNNING, "not stale before --grace"
+    assert live.acquire(orphan_bs, orphan_bs.label(), None, False, "head").kind == PENDING
+    time.sleep(1.3)                               # past --grace
+    owner._beat(owned.token)                      # as its heartbeat thread does
+    live.fail_stale(force=True)
+    assert state(orphan._trial_id) == optuna.trial.TrialState.FAIL
+    assert state(owned.token) == RUNNING, "a trial with a fresh heartbeat stays with its owner"
+    got = {}
+    for bs in cands:
+        got[bs] = live.acquire(bs, bs.label(), None, False, "budget")
+        if got[bs].kind == RUN:
+            live.record(got[bs].token, ok_row(bs))
+    assert got[orphan_bs].kind == RUN and got[owned_bs].kind == PENDING
+    assert all(g.kind == RUN for bs, g in got.items() if bs != owned_bs)
+    for w in (dead, owner, live):
+        w.close()
 
 
 def test_ctrl_c_gives_the_claimed_config_back_at_once(tmp_path):
@@ -330,70 +421,11 @@ def test_ctrl_c_gives_the_claimed_config_back_at_once(tmp_path):
         a.kill()
     assert rc == 130, err[-2000:]
     st = json.loads(run(["status", "--storage", url, "--json"], env_for(tmp_path, "s")).stdout)[0]
-    assert (st["done"], st["running"], st["waiting"], st["given_back"]) == (0, 0, 29, 1)
+    assert (st["done"], st["running"], st["waiting"], st["given_back"]) == (0, 0, 1, 1)
     t0 = time.monotonic()
     b = run(args + ["--results", str(tmp_path / "resB")], env_for(tmp_path, "B"))
     assert b.returncode == 0 and time.monotonic() - t0 < 60, b.stderr[-2000:]
     assert sorted(logged(tmp_path, "B")) == sorted(planned_labels())
-
-
-def test_a_worker_dead_after_recording_its_row_is_not_redone(tmp_path, monkeypatch):
-    """A worker that died between storing a config's row and telling Optuna: the config's
-    retried trial is closed with the stored row, never handed out for evaluation."""
-    from rpa_tune.distributed import Session, open_storage, retry_callback
-    from rpa_tune.engine import sweep_context
-    import optuna
-    monkeypatch.setenv("RPA_TUNE_KERNEL_HASH", "dist-test")
-    spec = make_spec(budget=2)
-    plan, ctx = plan_sweep(spec), sweep_context(spec)
-    url = str(tmp_path / "study.journal")
-    s = Session(open_storage(url), spec, plan, ctx, where=url)
-    tid, bs = s.claim()
-    s.storage.set_trial_user_attr(tid, "row", json.dumps({"status": "ok", "metric": 2e-4, "config_id": "c1"}))
-    s.storage.set_trial_state_values(tid, optuna.trial.TrialState.FAIL)        # as fail_stale would
-    retry_callback(3)(s.study, s.storage.get_trial(tid))
-    other = s.claim()
-    assert other is not None and other[1] != bs, "the retried trial is not handed out again"
-    s.finish(other[0], {"status": "ok", "metric": 3e-4, "config_id": "c2"})
-    assert s.claim() is None
-    done = [t for t in s.study.get_trials() if t.state == optuna.trial.TrialState.COMPLETE]
-    assert len(done) == 2
-    assert {json.loads(t.user_attrs["row"])["config_id"] for t in done} == {"c1", "c2"}
-
-
-@pytest.mark.parametrize("kind", ["sqlite", "journal"])
-def test_a_worker_dead_before_its_first_heartbeat_gives_its_config_back(kind, tmp_path, monkeypatch):
-    """A worker killed between taking a trial and its first heartbeat leaves it RUNNING with
-    no heartbeat, which Optuna's stale check (RDB storages) passes over: once --grace has
-    passed since the trial started, another worker fails it and gets its config; a trial
-    its owner beats for is left alone."""
-    from rpa_tune.distributed import Session, _bs_of, open_storage
-    from rpa_tune.engine import sweep_context
-    import optuna
-    monkeypatch.setenv("RPA_TUNE_KERNEL_HASH", "dist-test")
-    spec = make_spec()
-    plan, ctx = plan_sweep(spec), sweep_context(spec)
-    url = f"sqlite:///{tmp_path / 'study.db'}" if kind == "sqlite" else str(tmp_path / "study.journal")
-    session = lambda: Session(open_storage(url, heartbeat=1, grace=2), spec, plan, ctx, where=url,
-                              heartbeat=1, grace=1)
-    dead, owner, live = session(), session(), session()
-    orphan = dead._pop_waiting()                 # taken; the worker dies before _own's beat
-    owned_tid, owned_bs = owner.claim()          # taken and beaten for once
-    RUNNING = optuna.trial.TrialState.RUNNING
-    state = lambda tid: live.storage.get_trial(tid).state
-    live.fail_stale(force=True)
-    assert state(orphan._trial_id) == RUNNING, "not stale before --grace"
-    time.sleep(1.3)                               # past --grace
-    owner._beat(owned_tid)                        # as its heartbeat thread does
-    live.fail_stale(force=True)
-    assert state(orphan._trial_id) == optuna.trial.TrialState.FAIL
-    assert state(owned_tid) == RUNNING, "a trial with a fresh heartbeat stays with its owner"
-    got = []
-    while (c := live.claim()) is not None:
-        got.append(c[1])
-        live.finish(c[0], {"status": "ok", "metric": 1e-4, "config_id": c[1].label()})
-    assert _bs_of(orphan) in got and owned_bs not in got
-    assert sorted(b.label() for b in got) == sorted(planned_labels() - {owned_bs.label()})
 
 
 def test_storage_lost_mid_sweep_is_one_line(tmp_path):
@@ -438,3 +470,101 @@ def test_tpe_patience_stops_a_shared_study_where_it_stops_a_local_sweep(tmp_path
     evaluated = logged(tmp_path, "sh")
     assert evaluated[0] == plan.heuristic.label() and len(evaluated) == len(set(evaluated)) == 4, evaluated
     assert "no improvement" in shared.stdout
+
+
+def _cfg(r) -> tuple:
+    return (int(r["bq"]), int(r["bkv"]), int(r["cq"]), int(r["ckv"]))
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgres"])
+def test_retry_with_a_storage_evaluates_each_such_config_again_once(kind, tmp_path, request):
+    """`--retry vmem_oom` with `--storage`, two workers started together: each config the
+    study recorded as vmem_oom is evaluated again exactly once (by one of them), nothing else
+    is; the study then holds its new row; a third run finds nothing to retry."""
+    url = storage_url(kind, tmp_path, request)
+    oom = ["bq1_bkv512_cq1_ckv128", "bq1_bkv2048_cq1_ckv256"]
+    args = SWEEP + ["--case", "decode", "--budget", "100", "--search", "grid", "--jobs", "1", "--storage", url]
+    first = run(args + ["--results", str(tmp_path / "r0")],
+                env_for(tmp_path, "first", RPA_TUNE_FAKE_BEHAVIOUR=";".join(f"{c}=oom" for c in oom)))
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert sorted(logged(tmp_path, "first")) == sorted(planned_labels())
+    retry = args + ["--retry", "vmem_oom"]
+    ps = [start(retry + ["--results", str(tmp_path / f"r{i}")], env_for(tmp_path, f"w{i}", RPA_TUNE_FAKE_DELAY="0.3"),
+                f"w{i}", tmp_path) for i in (1, 2)]
+    for i, p in enumerate(ps, 1):
+        rc, out, err = finish(p, f"w{i}", tmp_path)
+        assert rc == 0, err[-3000:]
+    assert sorted(logged(tmp_path, "w1") + logged(tmp_path, "w2")) == sorted(oom), "each oom config once"
+    st = json.loads(run(["status", "--storage", url, "--json"], env_for(tmp_path, "s")).stdout)[0]
+    assert (st["done"], st["counts"]) == (29, {"ok": 29})
+    third = run(retry + ["--results", str(tmp_path / "r3")], env_for(tmp_path, "w3"))
+    assert third.returncode == 0 and not logged(tmp_path, "w3") and "0 evaluated" in third.stdout
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgres"])
+def test_seeds_and_refine_with_a_storage_as_without_one(kind, tmp_path, request):
+    """`--seeds` and `--refine` with `--storage`: one worker prices the 512 bucket, another one
+    (its own empty --results) the 1024 bucket with --seeds 2: its seeds are the two best
+    configs the study of the 512 bucket holds; it then climbs (--refine). The configs it
+    evaluates, in order, are those of the same sweep without a storage."""
+    from rpa_tune.distributed import rows_from_storage
+    from tune_fakes import fake_metric
+    from kernel.config import BlockSizes
+    url = storage_url(kind, tmp_path, request)
+    base = SWEEP + ["--case", "prefill", "--model", "llama3-70b-tp8", "--search", "tpe", "--budget", "6",
+                    "--patience", "0", "--jobs", "1"]
+    small = run(base + ["--max-num-tokens", "512", "--storage", url, "--results", str(tmp_path / "x")],
+                env_for(tmp_path, "x"))
+    assert small.returncode == 0, small.stderr[-3000:]
+    rows512 = [r for r in rows_from_storage(url) if r["max_num_tokens"] == 512 and r["status"] == "ok"]
+    assert len(rows512) == 6
+    best2 = {_cfg(r) for r in sorted(rows512, key=lambda r: fake_metric(BlockSizes(*_cfg(r))))[:2]}
+    big = base + ["--max-num-tokens", "1024", "--seeds", "2", "--refine", "30", "--json"]
+    shared = run(big + ["--storage", url, "--results", str(tmp_path / "y")], env_for(tmp_path, "y"))
+    assert shared.returncode == 0, shared.stderr[-3000:]
+    rows = ResultStore(tmp_path / "y").read()
+    seeded = {_cfg(r) for r in rows.to_dict("records") if r["search"] == "seed"}
+    heur = {_cfg(r) for r in rows.to_dict("records") if r["is_heuristic"]}
+    assert seeded and seeded == best2 - heur, "the seeds are the other bucket's two best, from the storage"
+    assert len(rows) > 6 + len(seeded), "it climbed past its budget"
+    assert {r["config_id"] for r in rows_from_storage(url) if r["max_num_tokens"] == 1024} == set(rows.config_id)
+    # the same two sweeps without a storage, in one results directory
+    for args, name in ((base + ["--max-num-tokens", "512"], "lx"), (big, "ly")):
+        r = run(args + ["--results", str(tmp_path / "local")], env_for(tmp_path, name))
+        assert r.returncode == 0, r.stderr[-3000:]
+    assert logged(tmp_path, "ly") == logged(tmp_path, "y"), "one engine: the same configs in the same order"
+    assert json.loads(shared.stdout)[0]["stop_reason"].endswith(
+        json.loads(r.stdout)[0]["stop_reason"]), (shared.stdout[-500:], r.stdout[-500:])
+
+
+def test_refine_with_two_workers_climbs_from_the_best_of_both(tmp_path):
+    """`--refine` with two workers on one study: the climb starts from the best row of every
+    worker and ends at a local optimum of the fake landscape (every neighbour of the study's
+    best evaluated, none better); the study's --budget holds and no config is evaluated twice."""
+    from rpa_tune.distributed import rows_from_storage
+    from rpa_tune.search import neighbours
+    from kernel.config import BlockSizes
+    url = f"sqlite:///{tmp_path / 'study.db'}"
+    args = SWEEP + ["--case", "decode", "--search", "random", "--budget", "5", "--refine", "40", "--jobs", "1",
+                    "--storage", url]
+    ps = [start(args + ["--results", str(tmp_path / f"r{i}")], env_for(tmp_path, f"w{i}", RPA_TUNE_FAKE_DELAY="0.2"),
+                f"w{i}", tmp_path) for i in (1, 2)]
+    for i, p in enumerate(ps, 1):
+        rc, out, err = finish(p, f"w{i}", tmp_path)
+        assert rc == 0, err[-3000:]
+    evaluated = logged(tmp_path, "w1") + logged(tmp_path, "w2")
+    assert len(evaluated) == len(set(evaluated)), evaluated
+    rows = rows_from_storage(url)
+    done = {_cfg(r): r["metric"] for r in rows}
+    assert len(done) == len(evaluated)
+    best = min(done, key=done.get)
+    nbs = neighbours(BlockSizes(*best), plan_sweep(make_spec()).candidates)
+    assert nbs and all(tuple(nb) in done and done[tuple(nb)] >= done[best] for nb in nbs)
+    import optuna
+    from rpa_tune.distributed import open_storage, rpa_studies
+    st = open_storage(url)
+    (s,) = rpa_studies(st)
+    trials = [t for t in st.get_all_trials(s._study_id) if not t.user_attrs.get("skipped")]
+    phase = collections.Counter(t.user_attrs.get("phase") for t in trials)
+    assert phase["head"] + phase["budget"] == 5 and phase["climb"] >= 1, phase
+    assert len(trials) == len(evaluated) and st.get_all_trials(s._study_id)[0].user_attrs["phase"] == "head"

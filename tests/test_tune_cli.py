@@ -309,13 +309,6 @@ def test_seeds_limits_a_bucket_to_the_best_configs_of_each_other_bucket(tmp_path
     assert len(big) <= 6 + len(seeded)
 
 
-def test_seeds_with_a_shared_study_is_refused(tmp_path):
-    r = run(["sweep", "--tpu", "v6e", "--seeds", "3", "--storage", str(tmp_path / "s.journal"),
-             "--results", str(tmp_path / "results")])
-    assert_one_error_line(r, ["--seeds 3 cannot be combined with --storage"])
-    assert not (tmp_path / "results").exists()
-
-
 def _fake_bucket_sweep(res, tag: str):
     """A two-bucket TPE sweep of the fake compile evaluator (budget 6, one job): its command
     and environment."""
