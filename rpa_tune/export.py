@@ -41,11 +41,19 @@ files, whatever the order of rows or files):
    Non-promoted keys are still written (``promoted: false``): they stop the lookup's
    bucketing rule from borrowing a neighbouring bucket's sizes for a key where the
    heuristic was found as good.
+
+A table's ``info["results_digest"]`` names the rows it was exported from (``results_digest``:
+its generation's rows of its kernel, the columns selection reads, whatever files hold them),
+so ``export --check`` fails when the results change even where the entries would not. A table
+merged with entries of an earlier export (``merge_tables``) names no digest: no one set of
+results made it.
 """
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import hashlib
+import json
 import math
 from pathlib import Path
 from typing import Iterable
@@ -399,15 +407,35 @@ def build_tables(df, *, workload_ids=(), kernel: str = "rpa-tune") -> tuple[dict
             per_gen.setdefault(rep.key.generation, []).append(rep.entry)
     def version(es):      # the versions the entries were tuned with (provenance.kernel_hash)
         return ", ".join(sorted({e.provenance.get("kernel_hash") or "" for e in es} - {""})) or None
-    tables = {g: Table(tuple(es), info=table_info(g, kernel, version(es))) for g, es in sorted(per_gen.items())}
+    rows_of = lambda g: [r for k, rs in by_key.items() if k.generation == g for r in rs]
+    tables = {g: Table(tuple(es), info=table_info(g, kernel, version(es), results_digest(rows_of(g))))
+              for g, es in sorted(per_gen.items())}
     if bad:
         reports.append(KeyReport(None, None, f"{bad} result rows with an invalid key or block sizes skipped"))
     return tables, reports
 
 
-def table_info(generation: str, kernel: str = "rpa-tune", kernel_version: str | None = None) -> dict:
+def digest_columns() -> tuple:
+    """The columns ``results_digest`` covers: those export reads, less the diagnostic ones
+    compaction leaves out (``rpa_tune.store.DIAGNOSTIC_COLUMNS``)."""
+    from .store import DIAGNOSTIC_COLUMNS
+    return tuple(c for c in REQUIRED_COLUMNS + OPTIONAL_COLUMNS if c not in DIAGNOSTIC_COLUMNS)
+
+
+def results_digest(rows: list[dict]) -> str:
+    """A digest of result rows as export reads them (``normalize_results``): each row's
+    ``digest_columns`` as canonical JSON, sorted, hashed. Independent of the files and the
+    order that hold the rows."""
+    cols = digest_columns()
+    lines = sorted(json.dumps([_clean(r.get(c)) for c in cols], default=str) for r in rows)
+    return "sha256:" + hashlib.sha256("\n".join(lines).encode()).hexdigest()[:16]
+
+
+def table_info(generation: str, kernel: str = "rpa-tune", kernel_version: str | None = None,
+               digest: str | None = None) -> dict:
     """A table's ``info``. Our kernel's tables name no kernel (as before there were two);
-    the public kernel's say which, and its version."""
+    the public kernel's say which, and its version. ``digest``: ``results_digest`` of the
+    rows it was exported from."""
     who = {} if kernel == "rpa-tune" else {"kernel": kernel, "kernel_version": kernel_version}
     return {
         **who,
@@ -420,6 +448,7 @@ def table_info(generation: str, kernel: str = "rpa-tune", kernel_version: str | 
             "measured_spread_factor": MEASURED_SPREAD_FACTOR,
             "rule": "promote iff heuristic_metric / metric - 1 > margin; no heuristic baseline: not promoted",
         },
+        **({"results_digest": digest} if digest else {}),
         "schema_version": SCHEMA_VERSION,
     }
 
@@ -468,7 +497,8 @@ def merge_tables(tables: dict[str, Table], out_dir, *, replace: bool = False
             else:
                 rep.changed.append(k)
         entries = dict(n) if replace else {**o, **n}
-        merged[g] = Table(tuple(entries.values()), info=new.info)
+        info = new.info if replace or not rep.kept else {k: v for k, v in new.info.items() if k != "results_digest"}
+        merged[g] = Table(tuple(entries.values()), info=info)
         reports[g] = rep
     return merged, reports
 

@@ -248,6 +248,42 @@ def test_check_detects_stale_and_missing(tmp_path):
     assert missing.exit_code == 1 and "missing" in missing.output
 
 
+def test_a_table_names_the_digest_of_its_results_and_check_fails_when_they_change(tmp_path):
+    """``info["results_digest"]`` covers the generation's rows as export reads them, not the
+    files holding them: the same rows split across files in another order give the same
+    table; a new row that changes no entry (a slower config) changes the digest, so
+    ``--check`` calls the table stale; another generation's rows leave it alone."""
+    import hashlib
+    rows = _sweep_rows(KEYS, gains=[0.1] * len(KEYS))
+    write_results(tmp_path / "one", rows)
+    for r in reversed(rows):
+        write_results(tmp_path / "many", [r])
+    _export(tmp_path / "one", tmp_path / "a")
+    _export(tmp_path / "many", tmp_path / "b")
+    for n in ("v5e.json", "v6e.json"):
+        assert (tmp_path / "a" / n).read_bytes() == (tmp_path / "b" / n).read_bytes()
+    v6e = [r for r in rows if r["generation"] == "v6e"]
+    # an independent digest: the v6e rows' digest columns, each as JSON, sorted, hashed
+    df = ex.read_results([tmp_path / "one"])
+    recs = [r for r in df.to_dict("records") if r["generation"] == "v6e"]
+    assert len(recs) == len(v6e)
+    lines = sorted(json.dumps([r[c] for c in ex.digest_columns()]) for r in recs)
+    want = "sha256:" + hashlib.sha256("\n".join(lines).encode()).hexdigest()[:16]
+    assert Table.read(tmp_path / "a" / "v6e.json").info["results_digest"] == want
+    v5e_before = (tmp_path / "a" / "v5e.json").read_bytes()
+    k = next(k for k in KEYS if k.generation == "v6e")
+    # an older price of another workload: the key's entry stays the one of its newest workload
+    other = row(k, _other_bs(k, 2), 1e-9, timestamp="2025-11-22T09:00:00Z", workload_id="w-older")
+    write_results(tmp_path / "one", [other])
+    stale = runner.invoke(_app(), ["export", "-r", str(tmp_path / "one"), "--out", str(tmp_path / "a"), "--check"])
+    assert stale.exit_code == 1 and "v6e.json" in stale.output and "v5e.json" not in stale.output
+    assert "results_digest" in stale.output
+    t, _ = ex.build_tables(ex.read_results([tmp_path / "one"]))
+    assert t["v6e"].entries == Table.read(tmp_path / "a" / "v6e.json").entries
+    _export(tmp_path / "one", tmp_path / "a")
+    assert (tmp_path / "a" / "v5e.json").read_bytes() == v5e_before
+
+
 def test_diff_command(tmp_path):
     write_results(tmp_path / "r1", _sweep_rows(KEYS[:3], gains=[0.1, 0.1, 0.1]))
     _export(tmp_path / "r1", tmp_path / "old")
@@ -313,6 +349,9 @@ def test_compact_results_keeps_rows_and_never_rewrites_a_compacted_part(tmp_path
     _export(tmp_path / "res", tmp_path / "before")
     first = ex.compact_results(tmp_path / "res")
     assert sorted(p.name for p in (tmp_path / "res").iterdir()) == sorted(p.name for p in first)
+    _export(tmp_path / "res", tmp_path / "compacted")
+    for n in ("v5e.json", "v6e.json"):       # the same rows, in other files: the same tables
+        assert (tmp_path / "before" / n).read_bytes() == (tmp_path / "compacted" / n).read_bytes()
     assert len(first) == 2 and all(is_compact(p) for p in first)        # v5e and v6e
     assert sorted(p.name.split("-")[2] for p in first) == ["v5e", "v6e"]
     kept = {p: p.read_bytes() for p in first}
@@ -323,8 +362,8 @@ def test_compact_results_keeps_rows_and_never_rewrites_a_compacted_part(tmp_path
     assert second not in kept and {p: p.read_bytes() for p in first} == kept
     assert sorted((tmp_path / "res").iterdir()) == sorted(first + [second])
     _export(tmp_path / "res", tmp_path / "after")
-    for n in ("v5e.json", "v6e.json"):
-        assert (tmp_path / "before" / n).read_bytes() == (tmp_path / "after" / n).read_bytes()
+    for n in ("v5e.json", "v6e.json"):       # one more row: the same entries (the digest names it)
+        assert Table.read(tmp_path / "before" / n).entries == Table.read(tmp_path / "after" / n).entries
 
 
 def test_a_compacted_part_holds_the_rows_without_diagnostics_and_stays_under_its_size(tmp_path):
@@ -373,6 +412,8 @@ def test_export_merges_into_existing_tables_and_says_what_changed(tmp_path):
     for other in v6e[1:]:
         assert after.by_key()[other] == before.by_key()[other]
     assert Table.read(out / "v6e.parquet") == after
+    # entries of an earlier export kept beside the new ones: no one set of results made the table
+    assert "results_digest" in before.info and "results_digest" not in after.info
     # --check compares with the merged table, which is now what is on disk
     ok = runner.invoke(_app(), ["export", "-r", str(tmp_path / "one"), "--out", str(out), "--check"])
     assert ok.exit_code == 0, ok.output
