@@ -220,8 +220,9 @@ def _read_files(files) -> tuple[pa.Table, list]:
 COMPACT_PREFIX = "compact-"
 # Columns a compacted part leaves out: this machine's wall times and the VMEM prefilter's
 # bookkeeping. No table, report or benchmark reads them from stored rows (``rpa-tune show``
-# prints a missing one as "-"); a fresh sweep's own parts still hold them.
-DIAGNOSTIC_COLUMNS = ("eval_s", "compile_s", "estimate_s", "vmem_predicted_bytes", "vmem_reported_bytes")
+# prints a missing one as "-"); a fresh sweep's own parts still hold them. Cycles and every
+# time of the estimate (``estimate_s``, the bounds) stay: a later time model re-judges them.
+DIAGNOSTIC_COLUMNS = ("eval_s", "compile_s", "vmem_predicted_bytes", "vmem_reported_bytes")
 COMPACT_COLUMNS = tuple(c for c in COLUMNS if c not in DIAGNOSTIC_COLUMNS)
 COMPACT_MAX_BYTES = 900_000      # a part in git stays under 1 MB (tests/test_data_gates.py)
 
