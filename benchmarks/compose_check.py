@@ -85,6 +85,16 @@ def recorded(cache: dict, gen: str, case: Case) -> tuple[str, dict] | None:
     return found
 
 
+def _canonical(d: dict) -> dict:
+    """A record whose key ends in a legacy kernel source hash, keyed by the version id it
+    stands for (``kernel.provenance.canonical_kernel_id``)."""
+    from kernel.provenance import canonical_kernel_id
+    key = json.loads(d["key"])
+    if key and canonical_kernel_id(key[-1]) != key[-1]:
+        d = dict(d, key=json.dumps(key[:-1] + [canonical_kernel_id(key[-1])]))
+    return d
+
+
 def recorded_skip(rec: dict) -> bool:
     """Whether the recorded kernel skipped dead prefill / mixed chunks (records from before
     the kernel did carry no flag: it computed every chunk)."""
@@ -101,24 +111,22 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--case", action="append", choices=[c.value for c in Case], default=None,
                     help="only these cases (repeatable; default all)")
-    ap.add_argument("--kernel", choices=["rpa-tune", "tpu-inference"], default="rpa-tune",
+    from rpa_tune.kernels import DEFAULT, get_kernel, kernel_names
+    ap.add_argument("--kernel", choices=kernel_names(), default=DEFAULT,
                     help="whose composition to check (default ours)")
     ap.add_argument("--recorded", action="store_true",
                     help="no compile: the table from the recorded probes and whole compiles (per generation "
                          "and case, the newest kernel version recorded with today's probes), refitted "
                          "with today's composition")
     args = ap.parse_args()
-    from rpa_tune.kernels import get_kernel
     kern = get_kernel(args.kernel)
     builder = kern.builder
-    if not kern.is_ours and args.recorded:
-        raise SystemExit("compose_check: --recorded refits our kernel's records only")
     lines = ["| gen | workload | config | full (cycles) | composed | error | full compile | max RSS |",
              "|---|---|---|---:|---:|---:|---:|---:|"]
     cache = {}
     if os.path.exists(CACHE):
         with open(CACHE) as f:
-            cache = {d["key"]: d for d in map(json.loads, f)}
+            cache = {d["key"]: d for d in map(_canonical, map(json.loads, f))}
     limits = ServingLimits(page_size=PAGE_SIZE, max_num_tokens=2048, max_num_seqs=128, max_model_len=16384)
     for gen in args.tpu or ["v6e"]:
         models, hashes = {}, {}
@@ -129,7 +137,7 @@ def main() -> None:
                 continue
             if case not in hashes:
                 found = recorded(cache, gen, case) if args.recorded else None
-                hashes[case] = found[0] if found else (kernel_hash() if kern.is_ours else kern.version())
+                hashes[case] = found[0] if found else kern.config_version()
                 if args.recorded:
                     print(f"{gen} {case.value}: recorded measurements of kernel source hash "
                           f"{hashes[case] if found else '(none with today probes)'}", flush=True)
@@ -137,7 +145,8 @@ def main() -> None:
             # (mixed probes with their warm-up, compose.mixed_warm_up, are recorded apart,
             # (and our prefill probes with their long walk, compose.long_walk_probe)
             pkey = json.dumps([gen, "probes", case.value, list(bs)] + (["warm-up"] if case == Case.MIXED else [])
-                              + (["long-walk"] if case == Case.PREFILL and kern.is_ours else []) + [kh])
+                              + (["long-walk"] if case == Case.PREFILL and kern.probe_plan(
+                                  case, bs, gen, MODEL, PAGE_SIZE).long_walk else []) + [kh])
             if case not in models and args.recorded:
                 rec = found and found[1]
                 models[case] = rec and compose.fit(case, bs, PAGE_SIZE, [
@@ -172,7 +181,7 @@ def main() -> None:
             if r is None:
                 t0 = time.time()
                 r = profiler.profile(builder, req, timeout=1800, rss_cap=16 << 30,
-                                     bundles=False, expect_kernel_hash=kh if kern.is_ours else None)
+                                     bundles=False, expect_kernel_hash=kh if kh == kernel_hash() else None)
                 if r.get("environment"):     # e.g. a full disk: not the workload's result
                     raise SystemExit(f"compose_check: {r['message'][:300]}")
                 r = dict(key=key, status=r["status"], cycles=r.get("cycles"), wall_s=time.time() - t0,

@@ -49,8 +49,8 @@ def check(tpu: str, case: str, model, page_size: int, bs) -> dict:
                block_sizes=list(bs), tpu=tpu, model=dataclasses.asdict(model), case=case,
                limits=dict(page_size=page_size, max_num_tokens=compose.probe_tokens(plist), max_num_seqs=128,
                            max_model_len=max(8192, max(w.kv_lens))))
-    placed = profiler.profile(compose.OURS, req, timeout=900)
-    xla = profiler.profile(compose.OURS, dict(req, place_new_kv=False), timeout=900)
+    placed = profiler.profile(compose.OURS_BUILDER, req, timeout=900)
+    xla = profiler.profile(compose.OURS_BUILDER, dict(req, place_new_kv=False), timeout=900)
     return dict(probe=f"{len(w.q_lens)} seqs, {sum(w.q_lens)} q / {sum(w.kv_lens)} kv tokens",
                 placed=placed.get("cycles") if placed["status"] == "ok" else placed["status"],
                 xla=xla.get("cycles") if xla["status"] == "ok" else xla["status"])

@@ -45,7 +45,7 @@ def main(argv=None) -> int:
             got = {}
             for m in (WIDE, NARROW):
                 t0 = time.monotonic()
-                got[m.head_dim] = compose.probe_config(builder=compose.OURS, case=case, bs=BlockSizes(*cfg), tpu=tpu,
+                got[m.head_dim] = compose.probe_config(builder=compose.OURS_BUILDER, case=case, bs=BlockSizes(*cfg), tpu=tpu,
                                                        model=dataclasses.asdict(m), limits=lim, use_cache=False,
                                                        timeout=3600)
                 print(f"{tpu} {case} {cfg} head_dim {m.head_dim}: {got[m.head_dim]['status']} "

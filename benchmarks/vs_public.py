@@ -96,7 +96,7 @@ CACHE_ENV = "RPA_TUNE_VS_PUBLIC_CACHE"
 # what a table reads of a piece (and what decides whether it is compiled again)
 PIECE_FIELDS = ("key", "status", "cycles", "message", "audit", "vmem_limit_bytes", "vmem_rule", "retried")
 MODEL = ModelShape(32, 8, 128)      # Llama-3-8B: 32 q / 8 KV heads, head_dim 128, bf16
-KERNELS = {"ours": compose.OURS, "public": "rpa_tune.estimator.public:lower"}
+KERNELS = {"ours": compose.OURS_BUILDER, "public": "rpa_tune.estimator.public:lower"}
 CANDIDATES = {
     Case.DECODE: [BlockSizes(1, 512, 1, 512), BlockSizes(1, 1024, 1, 1024), BlockSizes(1, 2048, 1, 1024)],
     Case.PREFILL: [BlockSizes(128, 512, 128, 256), BlockSizes(256, 1024, 128, 512), BlockSizes(256, 256, 128, 256)],
@@ -343,7 +343,7 @@ def composed_piece(gen: str, case: Case, bs: BlockSizes, page: int, q_lens, kv_l
     t0 = time.time()
 
     def probe_once(options):
-        pr = compose.probe_config(builder=compose.OURS, case=case, bs=bs, tpu=gen,
+        pr = compose.probe_config(builder=compose.OURS_BUILDER, case=case, bs=bs, tpu=gen,
                                   model=dataclasses.asdict(variant.model), limits=dataclasses.asdict(limits(page)),
                                   options=options or None, timeout=1800)
         if pr.get("environment"):

@@ -90,14 +90,19 @@ def _block_dict(block_sizes) -> dict:
 def lower_deviceless(model: ModelShape, limits: ServingLimits, tpu: str, block_sizes=None,
                      cases=("decode", "prefill", "mixed"), *, vmem_limit_bytes=None,
                      static_meta=None, num_pages: int | None = None, prepared_operands: bool = False,
-                     **attn_options):
+                     heuristic_only: bool = False, new_kv_in_vmem: bool = False, **attn_options):
     """Lower the kernel for TPU generation ``tpu`` without a TPU. Returns ``jax.stages.Lowered``.
 
     ``prepared_operands``: lower the case kernels on operands already in the kernel's
     layout (``api.prepare_inputs``' q / merged new K/V / output arrays as parameters), so
     the program holds no XLA op before the kernels. For fp8 caches libtpu's static profiler
     aborts on XLA's bf16 -> fp8 conversion and fp8 pad fusions on v5e and TPU7x (the kernel
-    itself profiles); the kernel's cycles do not depend on where its operands came from."""
+    itself profiles); the kernel's cycles do not depend on where its operands came from.
+
+    ``heuristic_only``: the cases without explicit sizes take the heuristic's (they pad the
+    operands), never a table's or ``RPA_{D,P,M}_BLOCK_SIZES``: the program depends on its
+    arguments only. ``new_kv_in_vmem``: the new K/V operand of the case kernels placed in
+    VMEM (``kernel.api.Options``)."""
     import jax
     from .api import _rpa_jit, build_options, prepare_inputs, run_cases
     cases = tuple(Case.parse(c).value for c in cases)
@@ -105,7 +110,8 @@ def lower_deviceless(model: ModelShape, limits: ServingLimits, tpu: str, block_s
     dims = _dims(model, limits, args["kv_cache"].shape[0])
     options = build_options(dims, get_generation(tpu).name, _block_dict(block_sizes),
                             vmem_limit_bytes=vmem_limit_bytes, static_meta=static_meta,
-                            cases=cases, **attn_options)
+                            cases=cases, heuristic_only=heuristic_only, new_kv_in_vmem=new_kv_in_vmem,
+                            **attn_options)
     order = ("queries", "keys", "values", "kv_cache", "kv_lens", "page_indices", "cu_q_lens", "distribution")
     if prepared_operands:
         shapes = jax.eval_shape(lambda q, k, v, c: prepare_inputs(q, k, v, c, options),

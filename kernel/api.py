@@ -48,11 +48,17 @@ def resolve_block_sizes(case: Case, explicit, *, generation: str, dims: dict,
 
 
 def _resolve(case: Case, explicit, *, generation: str, dims: dict, chunk_prefill_size=None,
-             sliding_window: bool = False) -> tuple[BlockSizes, str, int | None]:
+             sliding_window: bool = False, heuristic_only: bool = False) -> tuple[BlockSizes, str, int | None]:
     """``resolve_block_sizes`` plus the scoped VMEM limit a table entry asks for (None: the
-    kernel's default for the block sizes)."""
+    kernel's default for the block sizes). ``heuristic_only``: without explicit sizes, the
+    heuristic's, never an override's or a table's."""
     if explicit is not None:
         return BlockSizes.coerce(explicit, name=f"{case.value} block sizes"), "explicit", None
+    if heuristic_only:
+        return _heuristic_cached(
+            case, generation, dims["num_q_heads"], dims["num_kv_heads"], dims["head_dim"], dims["page_size"],
+            kv_bytes_per_token(dims), dims["max_num_tokens"], dims["pages_per_seq"] * dims["page_size"],
+            chunk_prefill_size, dims["q_dtype"], dims["kv_dtype"]), "heuristic", None
     return _resolve_cached(
         case, generation, os.environ.get(tables.ENV_BLOCK_SIZES[case]), tables.epoch(),
         dims["max_num_tokens"], dims["num_q_heads"], dims["num_kv_heads"], dims["head_dim"],
@@ -154,17 +160,24 @@ class Options:
     generation: str
     static_meta: tuple | None = None      # analysis mode, per case
     cases: tuple = ("decode", "prefill", "mixed")
+    new_kv_in_vmem: bool = False          # analysis: the new K/V operand constrained to VMEM
 
 
 def build_options(dims: dict, generation: str, explicit: dict, *, sm_scale=1.0, sliding_window=None,
                   soft_cap=None, q_scale=None, k_scale=None, v_scale=None, chunk_prefill_size=None,
-                  vmem_limit_bytes=None, static_meta=None, cases=("decode", "prefill", "mixed")) -> "Options":
-    """Resolve block sizes per case and freeze every static option of one call."""
+                  vmem_limit_bytes=None, static_meta=None, cases=("decode", "prefill", "mixed"),
+                  heuristic_only: bool = False, new_kv_in_vmem: bool = False) -> "Options":
+    """Resolve block sizes per case and freeze every static option of one call.
+
+    For a program built for analysis (``kernel.analysis``): ``heuristic_only`` resolves the
+    cases without explicit sizes to the heuristic (no override, no table), so the program
+    does not depend on the tables of the process building it; ``new_kv_in_vmem`` places
+    the case kernels' new K/V operand in VMEM."""
     resolved, table_limits = {}, []
     for case in CASES:
         bs, _source, limit = _resolve(case, explicit.get(case), generation=generation, dims=dims,
                                       chunk_prefill_size=chunk_prefill_size,
-                                      sliding_window=sliding_window is not None)
+                                      sliding_window=sliding_window is not None, heuristic_only=heuristic_only)
         errs = block_size_errors(case, bs, dims["page_size"])
         if errs:
             raise ValueError(f"{case.value} block sizes {tuple(bs)} are illegal: " + "; ".join(errs))
@@ -177,7 +190,7 @@ def build_options(dims: dict, generation: str, explicit: dict, *, sm_scale=1.0, 
         sm_scale=float(sm_scale), sliding_window=None if sliding_window is None else int(sliding_window),
         soft_cap=f(soft_cap), q_scale=f(q_scale), k_scale=f(k_scale), v_scale=f(v_scale),
         block_sizes=tuple(resolved[c] for c in CASES), vmem_limit_bytes=vmem_limit_bytes,
-        generation=generation, static_meta=static_meta, cases=tuple(cases))
+        generation=generation, static_meta=static_meta, cases=tuple(cases), new_kv_in_vmem=bool(new_kv_in_vmem))
 
 
 def prepare_inputs(queries, keys, values, kv_cache, options: Options):
@@ -260,6 +273,8 @@ def run_cases(q, newkv, o, kv_cache, kv_lens, page_indices, cu_q_lens, distribut
     """The case kernels on prepared operands (``prepare_inputs``); returns ``(o, kv_cache)``."""
     Hkv, D = num_kv_heads, head_dim
     S = kv_lens.shape[0]
+    if options.new_kv_in_vmem:
+        newkv = pltpu.with_memory_space_constraint(newkv, pltpu.VMEM)
     common = dict(num_kv_heads=Hkv, group=group, head_dim=D, page_size=kv_cache.shape[1],
                   pages_per_seq=page_indices.shape[0] // S, kv_rows=kv_cache.shape[2],
                   kv_pack=kv_cache.shape[3], max_num_seqs=S)

@@ -20,10 +20,10 @@ except ImportError:  # pragma: no cover - Typer with Click as a dependency
     from click.exceptions import ClickException
 
 from kernel.config import GENERATIONS, Case, get_generation
-from kernel.tables.schema import KERNEL_NAMES
 from kernel.validate import SUPPORTED_HEAD_DIMS, SUPPORTED_KV_DTYPES, SUPPORTED_Q_DTYPES
 
 from .evaluators.base import BACKENDS, STATUSES
+from .kernels import kernel_names
 from .search import SEARCHES
 
 # the kernel's own constants (importing kernel.config / kernel.validate loads no JAX)
@@ -122,12 +122,13 @@ SearchChoice = _choices("SearchChoice", SEARCHES)
 Status = _choices("Status", STATUSES)
 QDtype = _choices("QDtype", SUPPORTED_Q_DTYPES)
 KvDtype = _choices("KvDtype", SUPPORTED_KV_DTYPES)
-KernelChoice = _choices("KernelChoice", KERNEL_NAMES)
+KernelChoice = _choices("KernelChoice", kernel_names())
 ExportFormat = _choices("ExportFormat", ["tables", "vllm-env", "sglang"])
 KernelOpt = Annotated[KernelChoice, typer.Option(
     "--kernel", case_sensitive=False,
-    help="The kernel to tune: rpa-tune (this project's) or tpu-inference (the public RPA v3 that vLLM-TPU and "
-         "SGLang-JAX run; pip package tpu-inference, installed by scripts/setup.sh).")]
+    help="The kernel to tune: rpa-tune (this project's, the default) or tpu-inference (the public RPA v3 that "
+         "vLLM-TPU and SGLang-JAX run; pip package tpu-inference, installed by scripts/setup.sh); "
+         "rpa_tune.kernels lists them.")]
 
 
 def value(v):

@@ -92,18 +92,21 @@ def export_cmd(
     kept (--replace drops them); the summary says what was added, changed and kept."""
     from kernel.tables import TableError
     from rpa_tune.export import build_tables, check_tables, kernel_dir, merge_tables, read_results, write_tables
+    from rpa_tune.kernels import DEFAULT, get_kernel, kernel_names
     fmt, kernel = value(fmt), value(kernel)
     if fmt == "tables":
-        kernel = kernel or "rpa-tune"
+        kernel = kernel or DEFAULT
         if out is None:
             fail("--out is required with --format tables (the tables directory)")
         if out.exists() and not out.is_dir():
             fail(f"--out {str(out)!r} exists and is not a directory")
     else:
-        if kernel not in (None, "tpu-inference"):
-            fail(f"--format {fmt} writes block sizes for tpu-inference's kernel, not --kernel {kernel} "
+        writers = [n for n in kernel_names() if fmt in get_kernel(n).server_formats]
+        if kernel is None and len(writers) == 1:
+            kernel = writers[0]
+        if kernel not in writers:
+            fail(f"--format {fmt} writes block sizes for {' or '.join(writers)}, not --kernel {kernel} "
                  "(this project's kernel reads its tables and RPA_{D,P,M}_BLOCK_SIZES itself)")
-        kernel = "tpu-inference"
         if check:
             fail(f"--check compares tables; it does not apply to --format {fmt}")
         if out is not None and out.is_dir():
@@ -124,9 +127,8 @@ def export_cmd(
         fail(f"no usable {kernel} result rows for {', '.join(generation) or 'any generation'}"
              + (f" and workload {', '.join(workload_id)}" if workload_id else "")
              + f" in {', '.join(map(str, results))}"
-             + (" (tune it with `rpa-tune sweep --kernel tpu-inference ...`)" if kernel == "tpu-inference" else "")
-             + (" (these results hold tpu-inference rows: export them with --kernel tpu-inference)"
-                if kernel == "rpa-tune" and "kernel" in df and (df["kernel"] == "tpu-inference").any() else ""),
+             + (f" (tune it with `rpa-tune sweep --kernel {kernel} ...`)" if kernel != DEFAULT else "")
+             + _other_kernels_hint(df, kernel),
              code=1)
     if fmt != "tables":
         _export_server_format(fmt, tables, out)
@@ -205,6 +207,15 @@ def export_cmd(
         return
     for p in written:
         console.print(f"wrote {p}", soft_wrap=True)
+
+
+def _other_kernels_hint(df, kernel: str) -> str:
+    """Where the results hold rows of other kernels than ``kernel``: how to export those."""
+    if "kernel" not in df:
+        return ""
+    from rpa_tune.kernels import row_kernel
+    others = sorted({row_kernel(k) for k in df["kernel"]} - {kernel})
+    return "".join(f" (these results hold {o} rows: export them with --kernel {o})" for o in others)
 
 
 def _export_server_format(fmt: str, tables, out: Optional[Path]) -> None:

@@ -133,7 +133,7 @@ def plan_sweep(spec: SweepSpec) -> Plan:
     keep, predicted = [], {}
     prefiltered = 0
     for bs in cands:
-        p = prefilter.predicted_bytes(spec.model, spec.limits, bs, spec.case) if kern.is_ours else None
+        p = kern.predicted_vmem_bytes(spec.model, spec.limits, bs, spec.case)
         if p is not None and prefilter.rejects(p, spec.generation):
             prefiltered += 1
             continue
@@ -203,8 +203,7 @@ def sweep_context(spec: SweepSpec) -> SweepContext:
     kern = spec.tuned_kernel
     prov = provenance.provenance()
     kversion = kern.config_version()
-    if not kern.is_ours:       # the public kernel's rows record its version, not our kernel's hashes
-        prov = dict(prov, kernel_hash=kversion, kernel_source_hash=None)
+    prov = kern.row_provenance(prov)    # (a kernel not ours records its own version)
     prov["kernel"], prov["kernel_version"] = kern.name, kern.version()
     ev_version = evaluator_version(spec.backend, spec.case, spec.generation)
     wid = workload_id(spec.workload)

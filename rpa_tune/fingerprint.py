@@ -9,7 +9,8 @@ rename in ``kernel/`` gives the same digest and a change to the program a new on
 
 ``CANONICAL`` is a fixed set of programs covering the kernel's code paths (the three cases
 in one serving program, fp8 KV, head_dim 64 and 256, sliding window with soft cap, TPU7x's
-chunk walk, and the static-profiler program of each case that the estimator prices).
+chunk walk, and the static-profiler program of each case that the estimator prices, v5p's
+with the new K/V operand placed in VMEM).
 ``kernel/program_fingerprint.json`` records their digests per JAX version for
 ``kernel.provenance.KERNEL_VERSION``; ``check()`` compares the code against it
 (``rpa-tune fingerprint``; the test ``tests/test_fingerprint.py``), ``record()`` writes it
@@ -108,6 +109,7 @@ CANONICAL = (
     Canonical("estimate-v6e-decode", "v6e", _LLAMA8B, _LIMITS, _SIZES, estimate="decode"),
     Canonical("estimate-v6e-prefill", "v6e", _LLAMA8B, _LIMITS, _SIZES, estimate="prefill"),
     Canonical("estimate-v5p-mixed", "v5p", _LLAMA8B, _LIMITS, _SIZES, estimate="mixed"),
+    Canonical("estimate-v5p-decode-new-kv-in-vmem", "v5p", _LLAMA8B, _LIMITS, _SIZES, estimate="decode"),
 )
 
 _ESTIMATE_WORKLOADS = {

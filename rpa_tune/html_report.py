@@ -30,6 +30,7 @@ from pathlib import Path
 
 from kernel.config import GENERATIONS, Case, TuningKey
 
+from .kernels import DEFAULT
 from .report import Group, winners, wrong_configs
 
 MARKER = ".rpa-tune-report"
@@ -186,7 +187,7 @@ def coverage(df, entries, sections=()) -> Coverage:
     results_keys: set = set()         # keys with results of the current kernel source
     old_results: set = set()          # keys with results of earlier kernels only
     if len(df):
-        d = df[[row_kernel(k) == "rpa-tune" for k in df["kernel"]]] if "kernel" in df else df
+        d = df[[row_kernel(k) == DEFAULT for k in df["kernel"]]] if "kernel" in df else df
         cols = [f.name for f in dataclasses.fields(TuningKey)]
         # rows without the column (written before it existed) count as current
         import numpy as np
@@ -221,7 +222,7 @@ def coverage(df, entries, sections=()) -> Coverage:
     buckets = sorted(set(matrix.BUCKETS) | {k.max_num_tokens for k in results_keys | old_results | set(table_keys)})
     anchors = {}        # a key's cell links its table entry's group first, then its first group
     for sec in sorted(sections, key=lambda sec: sec.table_workload_id is not None):
-        if sec.group.kernel == "rpa-tune":
+        if sec.group.kernel == DEFAULT:         # the matrix is of the default kernel's tables
             anchors.setdefault(sec.group.key_id, sec.anchor)
     by_cell: dict = {}
     for k in results_keys | old_results | set(table_keys):
@@ -296,7 +297,7 @@ def gather(df, entries, *, results: str = "", tables: str = "", tpu=None, case=N
         base = _slug(f"{g.kernel}-{g.key_id}-{g.backend}-{g.workload_id}") or f"key-{i}"
         anchor = base if base not in used else f"{base}-{i}"
         used.add(anchor)
-        e = by_key.get(TuningKey(**g.key)) if g.kernel == "rpa-tune" else None
+        e = by_key.get(TuningKey(**g.key)) if g.kernel == DEFAULT else None     # entries: its tables
         state = "none" if e is None else ("promoted" if e.promoted else "not promoted")
         other = None if e is None else other_workload(e, g)
         k = g.key

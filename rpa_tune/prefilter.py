@@ -52,16 +52,15 @@ def compiler_verdict(model: ModelShape, limits: ServingLimits, generation: str, 
     ``vmem_limit_bytes`` defaults to the chip's capacity: the most permissive limit, so a
     ``vmem_oom`` here means no limit makes the config fit."""
     import time
-    from kernel import tables
     from kernel.analysis import lower_deviceless, parse_vmem_oom
     from kernel.config import Case
     case = Case.parse(case)
     limit = capacity(generation) if vmem_limit_bytes is None else int(vmem_limit_bytes)
     t0 = time.perf_counter()
     try:
-        with tables.heuristic_only():      # the other cases pad as in an estimate (rpa_tune.estimator.ours)
-            lowered = lower_deviceless(model, limits, generation, {case: tuple(bs)}, cases=(case.value,),
-                                       vmem_limit_bytes=limit)
+        # the other cases pad as in an estimate (rpa_tune.estimator.ours): the heuristic's sizes
+        lowered = lower_deviceless(model, limits, generation, {case: tuple(bs)}, cases=(case.value,),
+                                   vmem_limit_bytes=limit, heuristic_only=True)
         lowered.compile()
     except Exception as e:  # noqa: BLE001 - the verdict is the point
         msg = str(e)

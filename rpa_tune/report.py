@@ -13,6 +13,7 @@ from kernel.workload import ModelShape, ServingLimits, Workload
 
 from . import provenance
 from .evaluators import base
+from .kernels import DEFAULT, REFERENCE, get_kernel
 from .store import KEY_COLUMNS, ResultStore, config_id
 
 RANKED_BACKENDS = ("tpu", "compile")
@@ -34,7 +35,7 @@ class Group:
     rows: list                  # ok rows, best first (wrong configs excluded)
     heuristic: dict | None
     excluded_wrong: int = 0
-    kernel: str = "rpa-tune"    # the tuned kernel (rpa_tune.kernels)
+    kernel: str = DEFAULT        # the tuned kernel (rpa_tune.kernels)
     # every row of the group (each config's latest, any status; wrong configs included),
     # for views of the whole space (``rpa-tune report``'s heatmaps)
     configs: list = dataclasses.field(default_factory=list, repr=False)
@@ -140,7 +141,7 @@ def verify_winners(store: ResultStore, *, tpu=None, case=None, top: int = 1, job
     recorded = store.recorded()
     todo, out, seen = [], [], set()
     for g in groups:
-        if g.kernel != "rpa-tune":      # the public kernel does not run in the interpreter
+        if not get_kernel(g.kernel).interpretable:      # it does not run in the interpreter
             continue
         for r in g.rows:
             key = TuningKey(**g.key)
@@ -252,9 +253,10 @@ def doctor_report(*, tpu: str = "v6e", quick: bool = False) -> dict:
 
 def kernels_report() -> dict:
     """The tunable kernels and whether each can be used here (``rpa_tune.kernels``)."""
-    from .kernels import KERNELS, KernelError
+    from .kernels import KernelError, get_kernel, kernel_names
     out = {}
-    for name, k in KERNELS.items():
+    for name in kernel_names():
+        k = get_kernel(name)
         try:
             k.check_available()
             out[name] = f"ok: {k.version()} ({k.doc})"
@@ -314,7 +316,7 @@ class KernelComparison:
     @property
     def ratio(self) -> float | None:
         """ours / public of the best metrics (< 1: ours is faster)."""
-        a, b = self.best.get("rpa-tune"), self.best.get("tpu-inference")
+        a, b = self.best.get(DEFAULT), self.best.get(REFERENCE)
         return a["metric"] / b["metric"] if a and b and b.get("metric") else None
 
 

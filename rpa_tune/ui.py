@@ -14,6 +14,7 @@ from rich.progress import (BarColumn, MofNCompleteColumn, Progress, SpinnerColum
 from rich.table import Table
 
 from .engine import Events, Outcome, Plan, SweepSpec, plan_sweep
+from .kernels import DEFAULT, REFERENCE
 
 def _console(**kw) -> Console:
     c = Console(highlight=False, **kw)
@@ -299,7 +300,7 @@ def print_summary(o: Outcome, store, top: int = 10) -> None:
         d = d.sort_values("timestamp").drop_duplicates("config_id", keep="last")
     else:
         d = df
-    who = "" if spec.tuned_kernel.is_ours else f"{spec.kernel} "
+    who = f"{spec.kernel}: "
     t = Table(title=f"{who}{spec.key.generation} {spec.key.case} — {spec.backend} ({'estimate' if spec.backend == 'compile' else 'measured' if spec.backend == 'tpu' else 'correctness'})")
     for c in ("rank", "(bq, bkv, cq, ckv)", "status", "time", "bound", "cycles", "VMEM limit", "compile", "note"):
         t.add_column(c, justify="right" if c in ("time", "cycles", "compile", "rank") else "left")
@@ -405,11 +406,11 @@ def _brief(r) -> dict | None:
 def print_comparison(rows) -> None:
     t = Table(title="rpa-tune compare: each kernel at its best, same workload and method "
                     "(compile: audited estimates; tpu: device times)")
-    for c in ("tpu", "case", "shape", "page", "tokens", "len", "workload", "backend", "rpa-tune best", "time",
-              "tpu-inference best", "time", "its default", "rpa-tune / tpu-inference"):
+    for c in ("tpu", "case", "shape", "page", "tokens", "len", "workload", "backend", f"{DEFAULT} best", "time",
+              f"{REFERENCE} best", "time", "its default", f"{DEFAULT} / {REFERENCE}"):
         t.add_column(c, overflow="fold")
     for c in rows:
-        a, b, h = c.best.get("rpa-tune"), c.best.get("tpu-inference"), c.heuristic.get("tpu-inference")
+        a, b, h = c.best.get(DEFAULT), c.best.get(REFERENCE), c.heuristic.get(REFERENCE)
         t.add_row(c.key["generation"], c.key["case"], shape_label(c.key), str(c.key["page_size"]),
                   str(c.key["max_num_tokens"]), str(c.key["max_model_len"]), escape(c.workload[:40]), c.backend,
                   fmt_bs(a) if a else "[red]none ok[/]", fmt_time(a["metric"]) if a else "-",

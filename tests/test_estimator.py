@@ -292,7 +292,7 @@ def _request(case, w, bs, gen="v6e", model=LLAMA) -> dict:
 
 
 def _profile(case, w, bs, gen="v6e", model=LLAMA):
-    r = profiler.profile(compose.OURS, _request(case, w, bs, gen, model), timeout=600)
+    r = profiler.profile(compose.OURS_BUILDER, _request(case, w, bs, gen, model), timeout=600)
     assert r["status"] == "ok", r.get("message")
     return r
 
@@ -334,8 +334,8 @@ def test_fast_forward_changes_no_cycle_of_a_prefill_or_mixed_program(case, q, kv
     programs' cycles and trace totals as they are. (What it saves is measured in
     benchmarks/README.md, "Loop fast-forward".)"""
     req = _request(case, Workload.of_case(case, q, kv), bs)
-    plain = profiler.profile(compose.OURS, req, timeout=600, rss_cap=8 << 30)
-    fast = profiler.profile(compose.OURS, req, timeout=600, fast_forward=True)
+    plain = profiler.profile(compose.OURS_BUILDER, req, timeout=600, rss_cap=8 << 30)
+    fast = profiler.profile(compose.OURS_BUILDER, req, timeout=600, fast_forward=True)
     assert plain["status"] == fast["status"] == "ok", (plain.get("message"), fast.get("message"))
     assert fast["cycles"] == plain["cycles"] and fast["trace"] == plain["trace"]
 
@@ -367,7 +367,7 @@ def test_a_probe_whose_fast_forwarded_trace_misses_work_is_profiled_again_withou
     monkeypatch.setattr(audit, "audit_trace", lambda tr, need, cal, page_bytes=None: Verdict(not tr["ff"]))
     monkeypatch.setenv("RPA_TUNE_PROBE_CACHE", str(tmp_path))
     bs = BlockSizes(128, 512, 128, 256)
-    pr = compose.probe_config(builder=compose.OURS, case="prefill", bs=bs, tpu="v6e",
+    pr = compose.probe_config(builder=compose.OURS_BUILDER, case="prefill", bs=bs, tpu="v6e",
                               model=dataclasses.asdict(LLAMA), limits=dataclasses.asdict(LIM), use_cache=False)
     n = len(compose.probes("prefill", bs, LIM.page_size))
     # after the first probe's fast-forward misses work, the others skip straight to the plain compile
@@ -375,7 +375,7 @@ def test_a_probe_whose_fast_forwarded_trace_misses_work_is_profiled_again_withou
     assert pr["status"] == "ok" and pr["audit"] == audit.COMPLETE
     assert all(not p["fast_forward"] and p["cycles"] == 1000 + 3 * sum(p["kv_lens"]) for p in pr["probes"])
     calls.clear()
-    compose.probe_config(builder=compose.OURS, case="decode", bs=BlockSizes(1, 512, 1, 256), tpu="v6e",
+    compose.probe_config(builder=compose.OURS_BUILDER, case="decode", bs=BlockSizes(1, 512, 1, 256), tpu="v6e",
                          model=dataclasses.asdict(LLAMA), limits=dataclasses.asdict(LIM), use_cache=False)
     assert calls and not any(calls)          # decode never fast-forwards
 
@@ -410,7 +410,7 @@ def test_probes_whose_cycles_ignore_their_cached_kv_are_not_composed(monkeypatch
     model, lim = dataclasses.asdict(LLAMA), dataclasses.asdict(LIM)
     cfg = BlockSizes(128, 512, 128, 256)            # fast-forwarded at page 128 on v6e
     n = len(compose.probes("prefill", cfg, LIM.page_size))
-    pr = compose.probe_config(builder=compose.OURS, case="prefill", bs=cfg, tpu="v6e", model=model, limits=lim)
+    pr = compose.probe_config(builder=compose.OURS_BUILDER, case="prefill", bs=cfg, tpu="v6e", model=model, limits=lim)
     assert calls == [True] * n + [False] * n        # the whole config again, without fast-forward
     assert pr["audit"] == audit.COMPLETE and not pr["consistency"]
     assert not any(p["fast_forward"] for p in pr["probes"])
@@ -418,23 +418,23 @@ def test_probes_whose_cycles_ignore_their_cached_kv_are_not_composed(monkeypatch
     calls.clear()
     plain_grows[0] = False                          # the profiler's cycles ignore the work either way
     n = len(compose.probes("mixed", cfg, LIM.page_size))     # (no long walk: prefill's eighth probe)
-    pr = compose.probe_config(builder=compose.OURS, case="mixed", bs=cfg, tpu="v6e", model=model, limits=lim)
+    pr = compose.probe_config(builder=compose.OURS_BUILDER, case="mixed", bs=cfg, tpu="v6e", model=model, limits=lim)
     assert calls == [True] * n + [False] * n
     assert pr["status"] == "ok" and pr["audit"] == audit.INCOMPLETE
     assert any("cannot be composed" in r for r in pr["reasons"])
     calls.clear()
-    again = compose.probe_config(builder=compose.OURS, case="mixed", bs=cfg, tpu="v6e", model=model, limits=lim)
+    again = compose.probe_config(builder=compose.OURS_BUILDER, case="mixed", bs=cfg, tpu="v6e", model=model, limits=lim)
     assert calls == [] and again["audit"] == audit.INCOMPLETE and again["reasons"] == pr["reasons"]
 
     # a fast-forwarded record from before the check is not trusted: profiled again without it
     plain_grows[0] = True
     monkeypatch.setattr(compose, "inconsistent_probes", lambda *a, **k: [])
-    compose.probe_config(builder=compose.OURS, case="prefill", bs=BlockSizes(128, 256, 128, 256), tpu="v6e",
+    compose.probe_config(builder=compose.OURS_BUILDER, case="prefill", bs=BlockSizes(128, 256, 128, 256), tpu="v6e",
                          model=model, limits=lim)
     monkeypatch.undo()
     _probe_with(monkeypatch, tmp_path, fake_profile)
     calls.clear()
-    pr = compose.probe_config(builder=compose.OURS, case="prefill", bs=BlockSizes(128, 256, 128, 256), tpu="v6e",
+    pr = compose.probe_config(builder=compose.OURS_BUILDER, case="prefill", bs=BlockSizes(128, 256, 128, 256), tpu="v6e",
                               model=model, limits=lim)
     m = len(compose.probes("prefill", BlockSizes(128, 256, 128, 256), LIM.page_size))
     assert calls == [False] * m and pr["audit"] == audit.COMPLETE
@@ -493,14 +493,14 @@ def test_a_vmem_oom_is_kept_for_the_configs_other_buckets(monkeypatch, tmp_path)
     assert len(calls) == n and again.status == "ok" and again.vmem_limit_bytes == first.vmem_limit_bytes
     assert again.message.split(";")[0] == first.message.split(";")[0]       # (the same retry note)
     # the recorded OOM says so
-    oom = compose.probe_config(builder=compose.OURS, case="prefill", bs=bs, tpu="v6e",
+    oom = compose.probe_config(builder=compose.OURS_BUILDER, case="prefill", bs=bs, tpu="v6e",
                                model=dataclasses.asdict(LLAMA), limits=dataclasses.asdict(task(512).limits),
                                options={"vmem_limit_bytes": min(calls)})
     assert oom["status"] == "vmem_oom" and oom["cached"] and oom["vmem"]["used_bytes"] == need
     assert len(calls) == n
     # a timeout is not the program's: compiled again
     monkeypatch.setattr(profiler, "profile", lambda *a, **k: calls.append(0) or {"status": "timeout", "message": "t"})
-    args = dict(builder=compose.OURS, case="prefill", bs=BlockSizes(128, 512, 128, 256), tpu="v6e",
+    args = dict(builder=compose.OURS_BUILDER, case="prefill", bs=BlockSizes(128, 512, 128, 256), tpu="v6e",
                 model=dataclasses.asdict(LLAMA), limits=dataclasses.asdict(task(512).limits))
     compose.probe_config(**args)
     n = len(calls)
@@ -555,7 +555,7 @@ def test_mixed_probes_price_a_batch_past_its_first_two_sequences(monkeypatch, tm
                 "compile_s": 0.1, "lower_s": 0.1}
 
     _probe_with(monkeypatch, tmp_path, fake_profile)
-    pr = compose.probe_config(builder=compose.OURS, case="mixed", bs=bs, tpu="v6e",
+    pr = compose.probe_config(builder=compose.OURS_BUILDER, case="mixed", bs=bs, tpu="v6e",
                               model=dataclasses.asdict(LLAMA), limits=dataclasses.asdict(LIM))
     assert pr["status"] == "ok" and [(tuple(p["q_lens"]), tuple(p["kv_lens"])) for p in pr["probes"]] == [
         (p.q_lens, p.kv_lens) for p in compose.probes("mixed", bs, page)]
@@ -568,7 +568,7 @@ def test_mixed_probes_price_a_batch_past_its_first_two_sequences(monkeypatch, tm
     assert abs(old.cycles(w) / truth(q, kv) - 1) > 0.05
     # a cached probe set of other probes (an older probe version) is not refitted: profiled again
     monkeypatch.setattr(compose, "probes", lambda *a, **k: plain)
-    again = compose.probe_config(builder=compose.OURS, case="mixed", bs=bs, tpu="v6e",
+    again = compose.probe_config(builder=compose.OURS_BUILDER, case="mixed", bs=bs, tpu="v6e",
                                  model=dataclasses.asdict(LLAMA), limits=dataclasses.asdict(LIM))
     assert [p["q_lens"] for p in again["probes"]] == [list(p.q_lens) for p in plain]
 
@@ -622,7 +622,7 @@ def test_the_heuristic_is_profiled_under_a_higher_memory_cap(monkeypatch, tmp_pa
                 "compile_s": 0.1, "lower_s": 0.1}
 
     _probe_with(monkeypatch, tmp_path, fake_profile)
-    args = dict(builder=compose.OURS, case="prefill", bs=BlockSizes(128, 512, 128, 256), tpu="v6e",
+    args = dict(builder=compose.OURS_BUILDER, case="prefill", bs=BlockSizes(128, 512, 128, 256), tpu="v6e",
                 model=dataclasses.asdict(LLAMA), limits=dataclasses.asdict(LIM))
     assert compose.probe_config(**args, rss_cap=3 << 30)["status"] == "crash" and set(caps) == {3 << 30}
     n = len(caps)
@@ -666,7 +666,7 @@ def test_a_crash_the_program_causes_is_kept_for_the_configs_other_buckets(monkey
 
     _probe_with(monkeypatch, tmp_path, fake_profile)
     monkeypatch.setenv("RPA_ESTIMATE_MAX_RSS_GB", "3")
-    args = dict(builder=compose.OURS, case="prefill", bs=BlockSizes(128, 512, 128, 256), tpu="v5e",
+    args = dict(builder=compose.OURS_BUILDER, case="prefill", bs=BlockSizes(128, 512, 128, 256), tpu="v5e",
                 model=dataclasses.asdict(LLAMA), limits=dataclasses.asdict(LIM))
     first = compose.probe_config(**args)
     n = len(calls)          # (a fast-forwarded probe that crashed is compiled again without: 2)
@@ -701,7 +701,7 @@ def test_a_padded_head_dim_reads_its_128_lane_twins_complete_record_and_not_the_
 
     _probe_with(monkeypatch, tmp_path, fake_profile)
     wide, narrow = dataclasses.asdict(LLAMA), dataclasses.asdict(ModelShape(32, 8, 64))
-    args = dict(builder=compose.OURS, case="prefill", bs=BlockSizes(128, 512, 128, 256), tpu="v6e",
+    args = dict(builder=compose.OURS_BUILDER, case="prefill", bs=BlockSizes(128, 512, 128, 256), tpu="v6e",
                 limits=dataclasses.asdict(LIM))
     assert compose.padded_twin({"model": wide}) is None
     assert compose.padded_twin({"model": narrow, "tpu": "v6e"}) == {"model": wide, "tpu": "v6e"}
@@ -744,7 +744,7 @@ def test_probes_of_a_config_compile_in_parallel_in_order_and_stop_after_a_failur
     live, peak, calls, cancelled, lock = [0], [0], [], [], threading.Lock()
 
     def fake_profile(builder, req, *, timeout=None, expect_kernel_hash=None, fast_forward=False, cancel=None,
-                     extra_libtpu_args="", rss_cap=None):
+                     extra_libtpu_args="", rss_cap=None, program_cache=None):
         kv = sum(req["workload"]["kv_lens"])
         with lock:
             calls.append(req["workload"]["kv_lens"])
@@ -771,7 +771,7 @@ def test_probes_of_a_config_compile_in_parallel_in_order_and_stop_after_a_failur
 
     _probe_with(monkeypatch, tmp_path, fake_profile)
     bs = BlockSizes(128, 512, 128, 256)
-    args = dict(builder=compose.OURS, case="prefill", bs=bs, tpu="v6e", model=dataclasses.asdict(LLAMA),
+    args = dict(builder=compose.OURS_BUILDER, case="prefill", bs=bs, tpu="v6e", model=dataclasses.asdict(LLAMA),
                 limits=dataclasses.asdict(LIM), use_cache=False)
     plist = compose.probes("prefill", bs, LIM.page_size)
     fail_at = None
@@ -828,7 +828,7 @@ def test_a_config_without_an_estimate_is_profiled_again_with_the_new_kv_in_vmem(
     bs = BlockSizes(128, 512, 128, 256)
     plist = compose.probes("prefill", bs, LIM.page_size)
     assert any(sum(p.kv_lens) % 256 for p in plist) and not ours.places_new_kv(tpu, "prefill", LLAMA)
-    r = compose.probe_config(builder=compose.OURS, case="prefill", bs=bs, tpu=tpu, model=dataclasses.asdict(LLAMA),
+    r = compose.probe_config(builder=compose.OURS_BUILDER, case="prefill", bs=bs, tpu=tpu, model=dataclasses.asdict(LLAMA),
                              limits=dataclasses.asdict(LIM), use_cache=False)
     if tpu == "tpu7x":
         assert r["status"] == "crash" and not any(p for p, _ in calls)
@@ -853,7 +853,7 @@ def test_v5p_prefill_of_eight_kv_heads_is_estimated_with_the_new_kv_placed_where
     probes profiled again with the operand placed, every one audited complete."""
     monkeypatch.setenv("RPA_TUNE_PROBE_CACHE", str(tmp_path))
     limits = ServingLimits(page_size=128, max_num_tokens=128, max_num_seqs=128, max_model_len=8192)
-    r = compose.probe_config(builder=compose.OURS, case="prefill", bs=BlockSizes(64, 1024, 32, 256), tpu="v5p",
+    r = compose.probe_config(builder=compose.OURS_BUILDER, case="prefill", bs=BlockSizes(64, 1024, 32, 256), tpu="v5p",
                              model=dataclasses.asdict(LLAMA), limits=dataclasses.asdict(limits),
                              options=dict(vmem_limit_bytes=32 << 20), timeout=3000, use_cache=False, workers=2)
     assert r["status"] == "ok", r.get("message")
@@ -875,7 +875,7 @@ def test_every_probe_fits_the_limits_it_is_compiled_with(monkeypatch, tmp_path):
 
     _probe_with(monkeypatch, tmp_path, fake_profile)
     lim = ServingLimits(page_size=128, max_num_tokens=2048, max_num_seqs=128, max_model_len=6144)
-    r = compose.probe_config(builder=compose.OURS, case="decode", bs=BlockSizes(1, 4096, 1, 512), tpu="v6e",
+    r = compose.probe_config(builder=compose.OURS_BUILDER, case="decode", bs=BlockSizes(1, 4096, 1, 512), tpu="v6e",
                              model=dataclasses.asdict(LLAMA), limits=dataclasses.asdict(lim), use_cache=False)
     assert r["status"] == "ok" and max(seen) > lim.max_model_len
 
@@ -927,7 +927,7 @@ def test_composed_matches_a_full_compile_and_ignores_sequence_order(tmp_path, mo
     kernel read a page count from a dynamic SMEM address)."""
     monkeypatch.setenv("RPA_TUNE_PROBE_CACHE", str(tmp_path))
     bs = BlockSizes(1, 512, 1, 512)
-    pr = compose.probe_config(builder=compose.OURS, case="decode", bs=bs, tpu="v6e",
+    pr = compose.probe_config(builder=compose.OURS_BUILDER, case="decode", bs=bs, tpu="v6e",
                               model=dataclasses.asdict(LLAMA), limits=dataclasses.asdict(LIM))
     assert pr["status"] == "ok" and pr["audit"] == audit.COMPLETE, pr.get("reasons")
     m = compose.model_from_json(pr["model"])
@@ -1133,7 +1133,7 @@ def test_every_token_bucket_of_a_config_shares_its_probes(monkeypatch, tmp_path)
     runs = []
     for t in (128, 8192):
         lim = ServingLimits(page_size=128, max_num_tokens=t, max_num_seqs=128, max_model_len=8192)
-        runs.append(compose.probe_config(builder=compose.OURS, case="prefill", bs=bs, tpu="v6e",
+        runs.append(compose.probe_config(builder=compose.OURS_BUILDER, case="prefill", bs=bs, tpu="v6e",
                                          model=dataclasses.asdict(LLAMA), limits=dataclasses.asdict(lim)))
         if t == 128:
             first = list(seen)
@@ -1159,7 +1159,7 @@ def test_a_probe_costs_the_same_cycles_at_any_token_bucket(gen, case, bs, q, kv)
     for t in (128, 8192):
         lim = ServingLimits(page_size=128, max_num_tokens=t, max_num_seqs=128, max_model_len=8192)
         req = dict(_request(case, w, bs, gen, model), limits=dataclasses.asdict(lim))
-        r = profiler.profile(compose.OURS, req, timeout=600)
+        r = profiler.profile(compose.OURS_BUILDER, req, timeout=600)
         assert r["status"] == "ok", r.get("message")
         cycles.append(r["cycles"])
     assert cycles[0] == cycles[1] > 0
@@ -1179,7 +1179,7 @@ def test_a_soft_capped_program_computes_the_cap():
     assert Task.from_json(task.to_json()).soft_cap == 50.0
     cycles = []
     for opts in ({}, {"soft_cap": _options(task, 64 << 20)["soft_cap"]}):
-        r = profiler.profile(compose.OURS, dict(_request("prefill", w, bs, "v6e", model), options=opts), timeout=600)
+        r = profiler.profile(compose.OURS_BUILDER, dict(_request("prefill", w, bs, "v6e", model), options=opts), timeout=600)
         assert r["status"] == "ok", r.get("message")
         cycles.append(r["cycles"])
     assert cycles[1] > cycles[0]
@@ -1193,10 +1193,10 @@ def test_warm_profiler_children_give_a_new_childs_results_and_are_reused(monkeyp
     reqs = [_request("decode", Workload.of_case(Case.DECODE, [1] * n, [300] * n), BlockSizes(1, 256, 1, 128),
                      "v5e", model) for n in (4, 5)]
     monkeypatch.setenv(profiler.WARM_ENV, "0")
-    cold = [profiler.profile(compose.OURS, r, timeout=600) for r in reqs]
+    cold = [profiler.profile(compose.OURS_BUILDER, r, timeout=600) for r in reqs]
     monkeypatch.setenv(profiler.WARM_ENV, "1")
     profiler._Warm.close_all()
-    warm = [profiler.profile(compose.OURS, r, timeout=600) for r in reqs]
+    warm = [profiler.profile(compose.OURS_BUILDER, r, timeout=600) for r in reqs]
     for c, w in zip(cold, warm):
         assert w["status"] == c["status"] == "ok"
         assert (w["cycles"], w["trace"], w["kernels"]) == (c["cycles"], c["trace"], c["kernels"])
@@ -1351,7 +1351,7 @@ def test_v5p_decode_of_two_kv_heads_is_estimable_with_the_new_kv_in_vmem():
     bs, q, kv = BlockSizes(1, 2048, 1, 512), [1] * 4, [512, 513, 700, 900]
     w = Workload.of_case("decode", q, kv)
     req = _request("decode", w, bs, "v5p", QWEN_TP4)
-    left = profiler.profile(compose.OURS, dict(req, place_new_kv=False), timeout=600)
+    left = profiler.profile(compose.OURS_BUILDER, dict(req, place_new_kv=False), timeout=600)
     assert left["status"] == "crash" and left["cycles"] == 0
     r = _profile("decode", w, bs, "v5p", QWEN_TP4)
     tr = TraceStats.from_json(r["trace"])
@@ -1376,8 +1376,8 @@ def test_the_new_kv_placement_changes_no_v5p_program_of_one_kv_head(case, model,
     from rpa_tune.estimator import ours
     assert ours.PLACE_NEW_KV <= ours.NO_HBM_TO_HBM_PRICE and ours.places_new_kv("v5p", case, model)
     req = _request(case, Workload.of_case(case, q, kv), bs, "v5p", model)
-    left = profiler.profile(compose.OURS, dict(req, place_new_kv=False), timeout=600)
-    placed = profiler.profile(compose.OURS, req, timeout=600)
+    left = profiler.profile(compose.OURS_BUILDER, dict(req, place_new_kv=False), timeout=600)
+    placed = profiler.profile(compose.OURS_BUILDER, req, timeout=600)
     assert left["status"] == placed["status"] == "ok"
     assert placed["cycles"] == left["cycles"] > 0
 
@@ -1435,7 +1435,7 @@ def test_every_probe_request_is_one_the_builder_takes(tpu, monkeypatch, tmp_path
         return {"status": "compile_error", "message": "fake", "cycles": 0}
     monkeypatch.setattr(profiler, "profile", fake)
     for case, bs in (("decode", BlockSizes(1, 1024, 1, 512)), ("mixed", BlockSizes(64, 512, 64, 512))):
-        r = compose.probe_config(builder=compose.OURS, case=case, bs=bs, tpu=tpu,
+        r = compose.probe_config(builder=compose.OURS_BUILDER, case=case, bs=bs, tpu=tpu,
                                  model=dataclasses.asdict(LLAMA), limits=dataclasses.asdict(LIM),
                                  options={"vmem_limit_bytes": 32 << 20})
         assert r["status"] == "compile_error"

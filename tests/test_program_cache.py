@@ -21,13 +21,13 @@ def _request(bs) -> dict:
 
 def test_a_program_profiled_before_is_not_compiled_again(tmp_path):
     cache = str(tmp_path / "programs")
-    first = profiler.profile(compose.OURS, _request(BlockSizes(2, 512, 2, 256)), timeout=600, program_cache=cache)
+    first = profiler.profile(compose.OURS_BUILDER, _request(BlockSizes(2, 512, 2, 256)), timeout=600, program_cache=cache)
     assert first["status"] == "ok", first.get("message")
     assert not first.get("program_cached") and first["compile_s"] > 0
     assert len(os.listdir(cache)) == 1
-    again = profiler.profile(compose.OURS, _request(BlockSizes(2, 512, 2, 256)), timeout=600, program_cache=cache)
+    again = profiler.profile(compose.OURS_BUILDER, _request(BlockSizes(2, 512, 2, 256)), timeout=600, program_cache=cache)
     assert again["program_cached"] and again["compile_s"] == 0.0
     assert (again["cycles"], again["trace"], again["kernels"]) == (first["cycles"], first["trace"], first["kernels"])
-    other = profiler.profile(compose.OURS, _request(BlockSizes(2, 256, 2, 256)), timeout=600, program_cache=cache)
+    other = profiler.profile(compose.OURS_BUILDER, _request(BlockSizes(2, 256, 2, 256)), timeout=600, program_cache=cache)
     assert other["status"] == "ok" and not other.get("program_cached")
     assert other["cycles"] != first["cycles"] and len(os.listdir(cache)) == 2

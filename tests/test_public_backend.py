@@ -15,6 +15,7 @@ import pytest
 from kernel.config import BlockSizes
 from kernel.workload import ModelShape, ServingLimits, Workload, make_inputs
 from rpa_tune import kernels, public_kernel
+from rpa_tune.kernels import tpu_inference
 from tables_synth import isolated_tables, key, row, write_results  # noqa: F401 (fixture)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -36,7 +37,7 @@ def test_legality_is_the_public_kernels_own_validation(bs):
     model, page = ModelShape(8, 2, 128), 64
     limits = ServingLimits(page_size=page, max_num_tokens=32, max_num_seqs=4, max_model_len=1024)
     inp = make_inputs(model, limits, Workload.of_case("decode", [1, 1], [70, 9]))
-    ours = kernels.public_block_size_errors(BlockSizes(*bs), page)
+    ours = tpu_inference.public_block_size_errors(BlockSizes(*bs), page)
     try:
         mod.static_validate_inputs(**inp, d_block_sizes=tuple(bs))
         theirs = None
@@ -243,16 +244,16 @@ def test_bring_up_lookup_order(tmp_path, isolated_tables, monkeypatch):
 
 # ----------------------------------------------------------------------------- compare
 def test_compare_reports_each_kernels_best_and_the_ratio(tmp_path):
-    from rpa_tune.provenance import result_inputs_hash
+    from rpa_tune.provenance import kernel_hash
     res = tmp_path / "res"
     kk = key("v6e", "decode", t=64)
     pub = [r for r in _public_rows() if r["key_id"] == kernels.key_id(kk, PUB)]
     for r in pub:
         r["kernel_hash"] = f"{PUB}=={public_kernel.PINNED_VERSION}"
         r["backend"] = "compile"
-    ours = [row(kk, (1, 512, 1, 512), 0.8e-4, kernel_hash=result_inputs_hash(), is_heuristic=True,
+    ours = [row(kk, (1, 512, 1, 512), 0.8e-4, kernel_hash=kernel_hash(), is_heuristic=True,
                 config_id="o1", backend="compile", workload="w"),
-            row(kk, (1, 1024, 1, 512), 0.9e-4, kernel_hash=result_inputs_hash(), is_heuristic=False,
+            row(kk, (1, 1024, 1, 512), 0.9e-4, kernel_hash=kernel_hash(), is_heuristic=False,
                 config_id="o2", backend="compile", workload="w")]
     write_results(res, pub + ours)
     r = run(["compare", "--results", str(res), "--json"])

@@ -111,21 +111,27 @@ def test_precedence_explicit_env_table_heuristic(tmp_path, monkeypatch, isolated
     assert _resolve(k) == (heur, "heuristic")
 
 
-def test_heuristic_only_ignores_tables_and_overrides_until_it_ends(tmp_path, monkeypatch, isolated_tables):
+def test_an_analysis_program_takes_the_heuristic_for_unset_cases_whatever_the_tables(tmp_path, monkeypatch,
+                                                                                      isolated_tables):
+    """``build_options(heuristic_only=True)`` (what the estimator's lowering asks for): a case
+    without explicit sizes resolves to the heuristic even where a table entry or
+    ``RPA_{D,P,M}_BLOCK_SIZES`` would give others; explicit sizes stay; nothing process-wide
+    changes, so a serving call's resolution is unaffected."""
+    from kernel.api import build_options
     k = key(t=64)
     heur, _ = _heuristic(k)
     tabled = (1, 512, 1, 256) if tuple(heur) != (1, 512, 1, 256) else (1, 256, 1, 256)
     table(entry(k, tabled)).write_json(tmp_path / "t.json")
     isolated_tables(tmp_path / "t.json")
-    assert tuple(_resolve(k)[0]) == tabled             # memoised before the block, too
-    with kt.heuristic_only():
-        assert kt.heuristic_only_active()
-        assert _resolve(k) == (heur, "heuristic")
-        monkeypatch.setenv("RPA_D_BLOCK_SIZES", "1,2048,1,1024")
-        assert _resolve(k) == (heur, "heuristic")
-        assert _resolve(k, explicit=(1, 128, 1, 128)) == (BlockSizes(1, 128, 1, 128), "explicit")
-    assert not kt.heuristic_only_active()
-    assert _resolve(k) == (BlockSizes(1, 2048, 1, 1024), "env:RPA_D_BLOCK_SIZES")
+    dims = dims_for(k)
+    d = lambda **kw: build_options(dims, k.generation, {}, **kw).block_sizes[0]
+    assert tuple(d()) == tabled
+    assert d(heuristic_only=True) == heur
+    monkeypatch.setenv("RPA_D_BLOCK_SIZES", "1,2048,1,1024")
+    assert d(heuristic_only=True) == heur
+    assert d() == BlockSizes(1, 2048, 1, 1024)
+    explicit = build_options(dims, k.generation, {Case.DECODE: (1, 128, 1, 128)}, heuristic_only=True)
+    assert explicit.block_sizes[0] == BlockSizes(1, 128, 1, 128)
     monkeypatch.delenv("RPA_D_BLOCK_SIZES")
     assert tuple(_resolve(k)[0]) == tabled
 

@@ -150,12 +150,12 @@ def test_a_whole_program_vmem_oom_under_the_profiler_fits_at_the_lowered_limit()
     req = dict(workload=dict(q_lens=list(w.q_lens), kv_lens=list(w.kv_lens), distribution=list(w.distribution)),
                block_sizes=[1, 1024, 1, 1024], tpu="tpu7x", model=dataclasses.asdict(model),
                limits=dataclasses.asdict(lim), case="decode")
-    r = profiler.profile(compose.OURS, req, timeout=900, bundles=False, rss_cap=8 << 30)
+    r = profiler.profile(compose.OURS_BUILDER, req, timeout=900, bundles=False, rss_cap=8 << 30)
     assert r["status"] == "vmem_oom" and r["vmem"]["kind"] == "capacity", r.get("message")
     cap = int(r["vmem"]["limit_bytes"])
     new = base.next_vmem_limit(r["vmem"], None, cap, set())
     assert new is not None and r["vmem"]["scoped_bytes"] <= new < cap // 2
-    r2 = profiler.profile(compose.OURS, dict(req, options={"vmem_limit_bytes": new}), timeout=900, bundles=False,
+    r2 = profiler.profile(compose.OURS_BUILDER, dict(req, options={"vmem_limit_bytes": new}), timeout=900, bundles=False,
                           rss_cap=8 << 30)
     assert r2["status"] == "ok" and r2["cycles"] > 0, r2.get("message")
 

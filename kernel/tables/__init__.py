@@ -42,7 +42,7 @@ from .index import Match, TableIndex
 from .loading import LoadedTables, load_tables, shipped_table_dir, tuned_for_another_kernel
 from .schema import (DEFAULT_KERNEL, KERNEL_NAMES, KEY_FIELDS, METHODS, PROVENANCE_FIELDS, PUBLIC_KERNEL,
                      SCHEMA_VERSION, Entry, Table, TableError, read_regular_file, table_kernel)
-from .state import (_lookup_cached, block_sizes_for, epoch, heuristic_only, heuristic_only_active, key_for,
+from .state import (_lookup_cached, block_sizes_for, epoch, key_for,
                     loaded, lookup_block_sizes, lookup_entry, reload, reset)
 
 __all__ = [
@@ -51,6 +51,5 @@ __all__ = [
     "load_tables", "loaded", "lookup_block_sizes", "lookup_entry", "reload", "reset", "shipped_table_dir",
     "epoch", "KEY_FIELDS", "METHODS", "PROVENANCE_FIELDS", "LoadedTables", "Match",
     "read_regular_file", "DEFAULT_KERNEL", "PUBLIC_KERNEL", "KERNEL_NAMES", "table_kernel", "block_sizes_for",
-    "ENV_PUBLIC_BLOCK_SIZES", "ENV_PUBLIC_TABLE", "tuned_for_another_kernel", "heuristic_only",
-    "heuristic_only_active",
+    "ENV_PUBLIC_BLOCK_SIZES", "ENV_PUBLIC_TABLE", "tuned_for_another_kernel",
 ]

@@ -37,10 +37,7 @@ def env_block_sizes(case, variables: dict = ENV_BLOCK_SIZES) -> tuple[BlockSizes
     ``ENV_PUBLIC_BLOCK_SIZES``), or None when unset or empty. A malformed value raises
     ``ValueError`` naming the variable (a user mistake: silently ignoring an override would
     run a configuration the user did not ask for)."""
-    from .state import heuristic_only_active
     var = variables[Case.parse(case)]
-    if variables is ENV_BLOCK_SIZES and heuristic_only_active():
-        return None
     raw = os.environ.get(var)
     if raw is None or not raw.strip():
         return None

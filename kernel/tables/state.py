@@ -1,7 +1,6 @@
 """The process-wide tables (read once, lazily, thread-safely) and the memoised lookup."""
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import threading
@@ -19,39 +18,11 @@ _logged_keys: set = set()
 _epoch = 0
 
 
-_heuristic_only = 0     # depth of ``heuristic_only`` blocks open in this process
 
 
 def epoch() -> int:
-    """Incremented by ``reset``/``reload`` and on entering and leaving ``heuristic_only``:
-    callers memoising lookups key on it."""
+    """Incremented by ``reset``/``reload``: callers memoising lookups key on it."""
     return _epoch
-
-
-def heuristic_only_active() -> bool:
-    """Whether a ``heuristic_only`` block is open: no table entry and no
-    ``RPA_{D,P,M}_BLOCK_SIZES`` override resolves a case's block sizes."""
-    return _heuristic_only > 0
-
-
-@contextlib.contextmanager
-def heuristic_only():
-    """Within the block, every case whose block sizes are not explicit resolves to the
-    heuristic: tables and ``RPA_{D,P,M}_BLOCK_SIZES`` are ignored, process-wide. For a
-    program whose block sizes must not depend on the tables or the environment of the
-    process that builds it: an estimate lowers one case with explicit sizes, and the
-    other cases' sizes still shape the operands (the q / new K/V padding), so a config's
-    estimate would move as the tables it is tuning are rewritten."""
-    global _heuristic_only, _epoch
-    with _lock:
-        _heuristic_only += 1
-        _epoch += 1
-    try:
-        yield
-    finally:
-        with _lock:
-            _heuristic_only -= 1
-            _epoch += 1
 
 
 def loaded(kernel: str = DEFAULT_KERNEL) -> LoadedTables:
@@ -123,8 +94,6 @@ def lookup_block_sizes(case, *, generation: str, dims: dict, sliding_window: boo
 def lookup_entry(case, *, generation: str, dims: dict, sliding_window: bool = False):
     """``(BlockSizes, source, vmem_limit_bytes)`` (the limit the entry was tuned with, None
     for the kernel's default), or None; see ``lookup_block_sizes``."""
-    if _heuristic_only:
-        return None
     return _lookup_cached(Case.parse(case).value, generation, dims["q_dtype"], dims["kv_dtype"],
                           dims["num_q_heads"], dims["num_kv_heads"], dims["head_dim"],
                           dims["page_size"], dims["max_num_tokens"],

@@ -36,7 +36,7 @@ import threading
 import numpy as np
 
 from kernel.config import BlockSizes, Case, cdiv, round_up
-from kernel.steps import FEATURES, decode_steps, features
+from kernel.steps import decode_steps, features
 from kernel.workload import Workload
 
 
@@ -464,7 +464,7 @@ def _judge(out: dict, consistency: list[str]) -> None:
     out["audit"] = audit_mod.COMPLETE if whole and not consistency else audit_mod.INCOMPLETE
 
 
-OURS = "rpa_tune.estimator.ours:lower"
+OURS_BUILDER = "rpa_tune.estimator.ours:lower"     # our kernel's builder (``rpa_tune.kernels.ours``)
 PROBE_VERSION = "3"     # the probe workloads (``probes``); the fit is redone from cached cycles
 # How many probes of one config compile at once (default 1); the sweep sets it per worker.
 PROBE_WORKERS_ENV = "RPA_TUNE_PROBE_WORKERS"
@@ -472,7 +472,7 @@ PROBE_WORKERS_ENV = "RPA_TUNE_PROBE_WORKERS"
 
 def probe_config(*, builder: str, case: Case | str, bs: BlockSizes, tpu: str, model: dict, limits: dict,
                  options: dict | None = None, timeout: float | None = 600, use_cache: bool = True,
-                 workers: int | None = None, writes_kv_cache: bool = True, extra_libtpu_args: str = "",
+                 workers: int | None = None, writes_kv_cache: bool | None = None, extra_libtpu_args: str = "",
                  rss_cap: int | None = None) -> dict:
     """Compile and audit every probe of one config; fit its ``CostModel``.
 
@@ -484,8 +484,11 @@ def probe_config(*, builder: str, case: Case | str, bs: BlockSizes, tpu: str, mo
     per config, kernel source, library versions and generation (``RPA_TUNE_PROBE_CACHE``).
     ``workers``: probes compiled at once (default ``$RPA_TUNE_PROBE_WORKERS`` or 1); after
     a probe fails no further one starts and those still compiling are killed.
+    ``builder`` names the tuned kernel (``rpa_tune.kernels``: the one whose ``builder`` it
+    is); its ``probe_plan`` says how its configs are probed and audited.
     ``writes_kv_cache``: False for a program lowered without its KV-cache write-back (the
-    public kernel, ``rpa_tune.estimator.public``): its audit does not ask for those bytes.
+    public kernel, ``rpa_tune.estimator.public``): its audit does not ask for those bytes
+    (default: the kernel's ``writes_kv_cache``).
     ``extra_libtpu_args``: more libtpu flags for the profiled compiles (the VMEM size
     override, ``rpa_tune.evaluators.compile``); part of the cache key.
     ``rss_cap``: each profiler child's memory cap (default ``profiler.rss_cap_bytes()``); a
@@ -497,48 +500,34 @@ def probe_config(*, builder: str, case: Case | str, bs: BlockSizes, tpu: str, mo
     import json
     import time
     from kernel.workload import ModelShape
-    from . import audit as audit_mod, ours, profiler
+    from . import audit as audit_mod, profiler
     from .calibration import calibration
     from rpa_tune.provenance import kernel_hash
+    from ..kernels import KernelError, kernel_for_builder
     case = Case.parse(case)
     bs = BlockSizes.coerce(bs)
-    from kernel.config import get_generation
-    # Our kernel skips dead chunks except on TPU7x (kernel.config.TpuGeneration); the public
-    # kernel's lowering runs a compute chunk only below its KV block's valid length.
-    skip = get_generation(tpu).skip_dead_chunks if builder == OURS else True
-    # the mixed probes' warm-up (``mixed_warm_up``) is checked against our kernel's whole compiles
-    warm = builder == OURS
-    plist = probes(case, bs, limits["page_size"], skip, warm, long_walk=builder == OURS)
+    kern = kernel_for_builder(builder)
+    if kern is None:
+        raise KernelError(f"no tuned kernel has the estimator builder {builder!r} (rpa_tune.kernels)")
+    if writes_kv_cache is None:
+        writes_kv_cache = kern.writes_kv_cache
+    shape = ModelShape(**model)
+    plan = kern.probe_plan(case, bs, tpu, shape, limits["page_size"])
+    skip = plan.skip_dead_chunks
+    plist = probes(case, bs, limits["page_size"], skip, plan.mixed_warm_up, long_walk=plan.long_walk)
     # one program per config for every token bucket (module doc)
     limits = dict(limits, max_num_tokens=probe_tokens(plist))
     doc = dict(builder=builder, case=case.value, bs=list(bs), tpu=tpu, model=model, limits=limits,
                options=options or {})
-    # Our prefill / mixed programs only (see profiler.FAST_FORWARD_FLAG), and not those
-    # with a q-chunk loop (more than MAX_UNROLLED_Q_CHUNKS q chunks per block: fast-forward
-    # skips its iterations) or with KV blocks of more than 8 pages (the two such configs tried,
-    # (128, 2048, 128, 256) and (256, 2048, 32, 128) at page 128 on v6e, lost all their
-    # attention to it, so each probe compiled twice). The audit's retry stays the guard.
-    fast = (case != Case.DECODE and builder == OURS and not bs.q_chunk_loop
-            and bs.bkv <= 8 * limits["page_size"])
+    fast = plan.fast_forward
     if fast:
         doc["profiler"] = "fast_forward"
     if case == Case.DECODE and partial_chunk_probe(bs, limits["page_size"]):
         doc["partial_probe"] = True             # (the others' probes, and cache keys, are unchanged)
     if extra_libtpu_args:
         doc["libtpu_args"] = extra_libtpu_args
-    if case == Case.MIXED and warm:
-        doc["mixed_warm_up"] = True             # (decode and prefill keep their probes and cache keys)
-    if case == Case.PREFILL and builder == OURS:
-        doc["long_walk"] = True                 # (``long_walk_probe``; the public kernel's are unchanged)
-    if builder == OURS and get_generation(tpu).name in ours.PADDING_SENSITIVE:
-        doc["other_cases"] = "heuristic"        # (``ours`` module doc; the others' cycles kept)
-    walk_new = builder != OURS and case == Case.DECODE      # its decode probes differ (pipeline_steps)
-    if builder != OURS:
-        # its probes' audit counts run-time-sized page DMAs at one page (audit doc), and its
-        # decode probes differ; ours are cached as before
-        doc["public_audit"] = "page-bound"
-    if walk_new:
-        doc["walk_new"] = True
+    doc.update(plan.cache_tags)
+    walk_new = plan.walk_new
     source = kernel_hash()       # what the cache key holds; every probe must have compiled it
     path = os.path.join(_cache_dir(), _cache_key(doc) + ".json")
     window = (options or {}).get("sliding_window")
@@ -579,7 +568,7 @@ def probe_config(*, builder: str, case: Case | str, bs: BlockSizes, tpu: str, mo
 
     if use_cache:
         out = recorded(path)
-        twin = padded_twin(doc) if out is None and builder == OURS else None
+        twin = padded_twin(doc) if out is None and plan.padded_twin else None
         if twin is not None:
             out = recorded(os.path.join(_cache_dir(), _cache_key(twin) + ".json"), twin=True)
             if out is not None:
@@ -589,12 +578,10 @@ def probe_config(*, builder: str, case: Case | str, bs: BlockSizes, tpu: str, mo
         if out is not None:
             return out
     cal = calibration(tpu)
-    shape = ModelShape(**model)
-    from . import ours
     # Where XLA leaves our kernel's new K/V operand in HBM, the kernel gets no estimate
     # (``ours.places_on_no_estimate``): the config's probes are profiled again with it in VMEM.
     # ``lost``: the probe that first got no estimate, set when the probes are placed (``run`` reads it).
-    may_place = builder == OURS and ours.places_on_no_estimate(tpu, case, shape)
+    may_place = plan.place_new_kv_on_no_estimate
     lost = None
     deadline = None if timeout is None else time.monotonic() + timeout
     out = {"status": "ok", "probes": [], "audit": audit_mod.COMPLETE, "reasons": [], "compile_s": 0.0,
@@ -608,8 +595,7 @@ def probe_config(*, builder: str, case: Case | str, bs: BlockSizes, tpu: str, mo
         w = p.workload(case)
         req = dict(doc, workload=dict(q_lens=list(w.q_lens), kv_lens=list(w.kv_lens),
                                       distribution=list(w.distribution)), block_sizes=list(bs))
-        for k in ("builder", "bs", "profiler", "walk_new", "public_audit", "libtpu_args", "partial_probe",
-                  "mixed_warm_up", "long_walk", "other_cases"):
+        for k in ("builder", "bs", "profiler", "libtpu_args", "partial_probe", *dict(plan.cache_tags)):
             req.pop(k, None)
         if lost is not None:
             req["place_new_kv"] = True
@@ -622,7 +608,7 @@ def probe_config(*, builder: str, case: Case | str, bs: BlockSizes, tpu: str, mo
         if not writes_kv_cache:
             need = dataclasses.replace(need, kv_write_bytes=0)
         # the public kernel fetches the cache one page per run-time-sized DMA (audit doc)
-        page_bytes = None if builder == OURS else audit_mod.page_bytes(limits["page_size"], shape)
+        page_bytes = audit_mod.page_bytes(limits["page_size"], shape) if plan.page_bound_audit else None
         spent = {"compile_s": 0.0, "max_rss_bytes": 0}
 
         def attempt(forward: bool):

@@ -35,12 +35,10 @@ kernel's cycles (its operands may sit in VMEM): the v5p Llama-3-8B mixed probes 
 (64, 512, 64, 512) cost 40,141 and 45,369 cycles under the tables of 2026-11-29 (prefill
 (256, 256, 64, 256) at the probes' budget) and 41,312 and 46,548 under those of
 2026-12-06, so the same config's estimate moved 3.9 % as the tables it was tuning were
-rewritten. So the other cases take the heuristic's sizes (``kernel.tables.heuristic_only``):
+rewritten. So the other cases take the heuristic's sizes (``heuristic_only`` of ``kernel.analysis``):
 an estimate depends on its config, shape, workload and generation only.
 """
 from __future__ import annotations
-
-import contextlib
 
 from kernel.config import BlockSizes, Case
 from kernel.workload import ModelShape, ServingLimits, Workload
@@ -100,7 +98,7 @@ def lower(*, workload: dict, block_sizes, tpu: str, model: dict, limits: dict, c
     metadata visible to the static profiler (``kernel.analysis.lower_for_estimate``), the
     new K/V operand in VMEM where ``places_new_kv`` says (module doc), or as
     ``place_new_kv`` says (False: where XLA puts it; for the checks of the placement)."""
-    from kernel import analysis, tables
+    from kernel import analysis
     w = Workload(tuple(workload["q_lens"]), tuple(workload["kv_lens"]), tuple(workload["distribution"]))
     bs = BlockSizes(*block_sizes)
     case = Case.parse(case)
@@ -109,30 +107,6 @@ def lower(*, workload: dict, block_sizes, tpu: str, model: dict, limits: dict, c
         place_new_kv = places_new_kv(tpu, case, shape)
     # the other cases' sizes pad the operands (``kernel.api.prepare_inputs``): the heuristic's,
     # never a table's or an override's (module doc)
-    with tables.heuristic_only(), new_kv_in_vmem() if place_new_kv else contextlib.nullcontext():
-        lowered = analysis.lower_for_estimate(w, bs, tpu, shape, ServingLimits(**limits), case, **(options or {}))
+    lowered = analysis.lower_for_estimate(w, bs, tpu, shape, ServingLimits(**limits), case, heuristic_only=True,
+                                          new_kv_in_vmem=bool(place_new_kv), **(options or {}))
     return lowered, f"rpa_{case.value}_{bs.label()}"
-
-
-@contextlib.contextmanager
-def new_kv_in_vmem():
-    """While lowering: the case kernels' new K/V operand (``kernel.api.run_cases``' second
-    argument) constrained to VMEM. JAX's caches are cleared on entry and exit, so no trace
-    made outside (or inside) leaks across. (A parameter of ``kernel.analysis`` would be the
-    natural seam, but that file is in the result hash: editing it would mark every recorded
-    row stale although no recorded estimate changes.)"""
-    import jax
-    from jax.experimental.pallas import tpu as pltpu
-    from kernel import api
-    run = api.run_cases
-
-    def run_cases(q, newkv, *args, **kwargs):
-        return run(q, pltpu.with_memory_space_constraint(newkv, pltpu.VMEM), *args, **kwargs)
-
-    jax.clear_caches()
-    api.run_cases = run_cases
-    try:
-        yield
-    finally:
-        api.run_cases = run
-        jax.clear_caches()

@@ -62,19 +62,15 @@ class CompileEvaluator(Evaluator):
 
     def evaluate(self, task: Task) -> EvalResult:
         from kernel.hardware import tpu_info
-        from .. import prefilter
 
         from ..kernels import get_kernel
         kern = get_kernel(task.kernel)
         deadline = time.monotonic() + task.timeout
         cap = int(tpu_info(task.generation).vmem_capacity_bytes)
-        if kern.is_ours:
-            predicted = task.vmem_predicted_bytes
-            if predicted is None:
-                predicted = prefilter.predicted_bytes(task.model, task.limits, task.bs, task.case)
-            limit = base.initial_vmem_limit(predicted, cap)
-        else:
-            limit = cap // 2
+        predicted = task.vmem_predicted_bytes
+        if predicted is None:
+            predicted = kern.predicted_vmem_bytes(task.model, task.limits, task.bs, task.case)
+        limit = kern.compile_vmem_limit(predicted, cap)
         kind = f"deviceless {get_generation(task.generation).device_kind}"
         notes = []
         compile_fn = self._estimate if self.profile else self._plain_compile
@@ -104,11 +100,10 @@ class CompileEvaluator(Evaluator):
         if status == "ok" and not self.profile:
             return EvalResult(base.OK, "compile", message="; ".join(notes), **common)
         if status == "ok":
-            from kernel.workload import ModelShape
             from rpa_tune.estimator import audit, compose
             cycles = compose.model_from_json(r["model"]).cycles(task.workload)
-            walk = (audit.walk_bytes(task.workload, task.model, task.case, task.bs, task.limits.page_size,
-                                     sliding_window=task.sliding_window) if kern.is_ours else None)
+            walk = kern.walk(task.workload, task.model, task.case, task.bs, task.limits.page_size,
+                             sliding_window=task.sliding_window)
             t = audit.time_model(cycles, task.workload, task.model, task.generation, task.case,
                                  sliding_window=task.sliding_window, walk=walk)
             verdict, reasons = r["audit"], list(r["reasons"])

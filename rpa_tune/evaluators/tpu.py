@@ -200,13 +200,10 @@ class TpuEvaluator(Evaluator):
         compile_s = None
         from ..kernels import get_kernel
         kern = get_kernel(task.kernel)
-        if kern.is_ours:
-            call, prefix = kernel.ragged_paged_attention, f"rpa_{task.case}_{task.bs.label()}"
-        else:   # the same arguments (our kernel is call-compatible with it)
-            from ..public_kernel import load_kernel_module
-            call = load_kernel_module().ragged_paged_attention
-            prefix = f"RPA{task.case[0]}-p_{task.limits.page_size}-bq_{task.bs.bq}_{task.bs.cq}-bkv_"
-            limit = cap          # its own default: all of VMEM
+        dc = kern.device_call(task.case, task.bs, task.limits.page_size, cap)    # the serving signature
+        call, prefix = dc.fn, dc.prefix
+        if dc.vmem_limit_bytes is not None:
+            limit = dc.vmem_limit_bytes
         while True:
             fn = jax.jit(functools.partial(call, sm_scale=sm_scale,
                                            sliding_window=task.sliding_window, soft_cap=task.soft_cap,

@@ -1,0 +1,81 @@
+"""This project's kernel (``kernel.ragged_paged_attention``) as a tuned kernel."""
+from __future__ import annotations
+
+from kernel.config import BlockSizes, Case, TuningKey, get_generation
+
+from . import DeviceCall, ProbePlan, TunedKernel
+
+
+class Ours(TunedKernel):
+    name = "rpa-tune"
+    doc = "this project's kernel (kernel.ragged_paged_attention)"
+    builder = "rpa_tune.estimator.ours:lower"
+    writes_kv_cache = True
+    interpretable = True
+    records_vmem_limit = True
+    rejudgeable = True
+
+    def version(self) -> str:
+        from kernel.provenance import kernel_id
+        return kernel_id()
+
+    def config_version(self) -> str:
+        from ..provenance import kernel_hash
+        return kernel_hash()          # the kernel id, or the tests' pinned value
+
+    def row_provenance(self, prov: dict) -> dict:
+        return prov
+
+    def block_size_errors(self, case, bs: BlockSizes, page_size: int) -> list[str]:
+        from kernel.config import block_size_errors
+        return block_size_errors(Case.parse(case), bs, page_size)
+
+    def heuristic(self, key: TuningKey, *, max_num_seqs: int = 128) -> BlockSizes:
+        from kernel.heuristics import heuristic_for_key
+        return heuristic_for_key(key)
+
+    def predicted_vmem_bytes(self, model, limits, bs: BlockSizes, case) -> int:
+        from .. import prefilter
+        return prefilter.predicted_bytes(model, limits, bs, case)
+
+    def compile_vmem_limit(self, predicted, capacity: int) -> int:
+        from ..evaluators.base import initial_vmem_limit
+        return initial_vmem_limit(predicted, capacity)
+
+    def probe_plan(self, case: Case, bs: BlockSizes, tpu: str, model, page_size: int) -> ProbePlan:
+        from ..estimator import ours
+        gen = get_generation(tpu)
+        tags = []
+        if case == Case.MIXED:
+            tags.append(("mixed_warm_up", True))       # (decode and prefill keep their cache keys)
+        if case == Case.PREFILL:
+            tags.append(("long_walk", True))
+        if gen.name in ours.PADDING_SENSITIVE:
+            tags.append(("other_cases", "heuristic"))  # (``estimator.ours`` module doc)
+        # Prefill / mixed programs only (profiler.FAST_FORWARD_FLAG), not those with a q-chunk
+        # loop (fast-forward skips its iterations) or KV blocks of more than 8 pages (which
+        # lost all their attention to it); the audit's retry stays the guard.
+        fast = case != Case.DECODE and not bs.q_chunk_loop and bs.bkv <= 8 * page_size
+        return ProbePlan(skip_dead_chunks=gen.skip_dead_chunks, mixed_warm_up=True, long_walk=True,
+                         fast_forward=fast, padded_twin=True,
+                         place_new_kv_on_no_estimate=ours.places_on_no_estimate(tpu, case, model),
+                         cache_tags=tuple(tags))
+
+    def walk(self, workload, model, case, bs: BlockSizes, page_size: int, sliding_window=None):
+        from ..estimator import audit
+        return audit.walk_bytes(workload, model, case, bs, page_size, sliding_window=sliding_window)
+
+    def refused_estimate(self, key: TuningKey) -> str | None:
+        from ..coverage import NEEDS_A_DEVICE_CASES
+        return NEEDS_A_DEVICE_CASES.get((key.generation, Case.parse(key.case).value))
+
+    def composition_error(self, case, bs: BlockSizes, evaluator_version: str | None) -> float:
+        from ..estimator.compose import composition_error
+        return composition_error(case, bs, evaluator_version)
+
+    def device_call(self, case: str, bs: BlockSizes, page_size: int, capacity: int) -> DeviceCall:
+        import kernel
+        return DeviceCall(kernel.ragged_paged_attention, f"rpa_{case}_{bs.label()}")
+
+
+KERNEL = Ours()

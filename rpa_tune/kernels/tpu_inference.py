@@ -1,0 +1,103 @@
+"""tpu-inference's RPA v3 (PyPI ``tpu-inference``, pinned in ``rpa_tune.public_kernel``),
+the kernel vLLM-TPU and SGLang-JAX run, as a tuned kernel.
+
+* Lowered for the static profiler by ``rpa_tune.estimator.public`` with its KV-cache
+  write-back off (the audit does not ask for those bytes; that module's doc).
+* Its legality rules are those its own ``static_validate_inputs`` checks (``bq % cq``,
+  ``bkv % ckv``, ``bkv`` and ``ckv`` multiples of the page size), plus a tuner rule for
+  decode (one sequence's one token per q block).
+* Its baseline is its own ``get_default_block_sizes``, computed by the installed package
+  for the target generation (None where it has none, e.g. v4).
+* Its version is its package version: editing our kernel does not touch its results.
+* Its tables live in ``<tables>/tpu-inference/``; its block sizes reach servers through
+  ``rpa-tune export --format vllm-env`` / ``sglang``.
+"""
+from __future__ import annotations
+
+from kernel.config import BlockSizes, Case, TuningKey, get_generation
+
+from . import DeviceCall, KernelError, ProbePlan, TunedKernel
+
+NAME = "tpu-inference"
+
+
+class TpuInference(TunedKernel):
+    name = NAME
+    doc = "tpu-inference's RPA v3 (the kernel vLLM-TPU and SGLang-JAX run)"
+    builder = "rpa_tune.estimator.public:lower"
+    writes_kv_cache = False
+    interpretable = False
+    table_subdir = NAME
+    server_formats = ("vllm-env", "sglang")
+    baseline_may_be_missing = True
+
+    def check_available(self) -> None:
+        from ..public_kernel import PublicKernelMissing, load_kernel_module
+        try:
+            load_kernel_module()     # installed, the pinned version, and importable here
+        except PublicKernelMissing as e:
+            raise KernelError(str(e)) from None
+
+    def version(self) -> str | None:
+        from ..public_kernel import installed_version
+        v = installed_version()
+        return None if v is None else f"{NAME}=={v}"
+
+    def block_size_errors(self, case, bs: BlockSizes, page_size: int) -> list[str]:
+        errs = public_block_size_errors(bs, page_size)
+        if Case.parse(case) == Case.DECODE and bs.bq != 1:
+            # (a tuner rule, not the package's: its decode q block holds one sequence's
+            # tokens, so a larger one only pads; our decode's bq is sequences per step)
+            errs.append(f"bq={bs.bq}: the public kernel's decode q block holds one sequence's one token "
+                        f"(only bq == 1 is a candidate)")
+        return errs
+
+    def heuristic(self, key: TuningKey, *, max_num_seqs: int = 128) -> BlockSizes | None:
+        return public_default_block_sizes(key, max_num_seqs=max_num_seqs)
+
+    def probe_plan(self, case: Case, bs: BlockSizes, tpu: str, model, page_size: int) -> ProbePlan:
+        # its probes' audit counts run-time-sized page DMAs at one page (audit doc), and its
+        # decode probes walk the new token separately (compose.pipeline_steps)
+        walk_new = case == Case.DECODE
+        tags = [("public_audit", "page-bound")] + ([("walk_new", True)] if walk_new else [])
+        return ProbePlan(skip_dead_chunks=True, walk_new=walk_new, page_bound_audit=True, cache_tags=tuple(tags))
+
+    def device_call(self, case: str, bs: BlockSizes, page_size: int, capacity: int) -> DeviceCall:
+        from ..public_kernel import load_kernel_module
+        return DeviceCall(load_kernel_module().ragged_paged_attention,
+                          f"RPA{case[0]}-p_{page_size}-bq_{bs.bq}_{bs.cq}-bkv_",
+                          vmem_limit_bytes=capacity)     # its own default: all of VMEM
+
+
+def public_block_size_errors(bs: BlockSizes, page_size: int) -> list[str]:
+    """The block-size checks of tpu-inference's ``static_validate_inputs`` (0.32.0): ``bq %
+    cq``, ``bkv % ckv``, ``bkv`` and ``ckv`` multiples of the page size. They are ours without
+    our decode-only rule (``bq == cq``, sequences per step), so ours for a non-decode case state
+    them (``tests/test_public_backend.py`` checks them against the package)."""
+    from kernel.config import block_size_errors
+    return block_size_errors(Case.PREFILL, bs, page_size)
+
+
+def public_default_block_sizes(key: TuningKey, *, max_num_seqs: int = 128) -> BlockSizes | None:
+    """What the public kernel runs for ``key`` without block sizes: its own
+    ``get_default_block_sizes``, evaluated by the installed package with its TPU version
+    set to the key's generation. None where it has no default (it raises, e.g. on v4)."""
+    from ..estimator.public import TPU_VERSION
+    from ..public_kernel import load_kernel_module
+    mod = load_kernel_module()
+    version = TPU_VERSION.get(get_generation(key.generation).name)
+    case = {"decode": mod.RpaCase.DECODE, "prefill": mod.RpaCase.PREFILL, "mixed": mod.RpaCase.MIXED}[key.case]
+    old = mod.get_tpu_version
+    mod.get_tpu_version = lambda: version
+    try:
+        d = mod.get_default_block_sizes(key.q_dtype, key.kv_dtype, key.num_q_heads, key.num_kv_heads,
+                                        key.head_dim, key.page_size, key.max_num_tokens, max_num_seqs,
+                                        key.max_model_len // key.page_size, case=case)
+    except NotImplementedError:
+        return None
+    finally:
+        mod.get_tpu_version = old
+    return BlockSizes(d["bq_sz"], d["bkv_sz"], d["bq_csz"], d["bkv_csz"])
+
+
+KERNEL = TpuInference()
