@@ -58,8 +58,10 @@ import math
 from pathlib import Path
 from typing import Iterable
 
-from kernel.config import BlockSizes, Case, TuningKey, get_generation
+from kernel.config import BlockSizes, TuningKey, get_generation
 from kernel.tables import Entry, Table, TableError, PROVENANCE_FIELDS, SCHEMA_VERSION
+
+from .kernels import DEFAULT, get_kernel
 
 ESTIMATE_MIN_GAIN = 0.02
 MEASURED_MIN_GAIN = 0.01
@@ -185,18 +187,17 @@ class KeyReport:
     workload: str = ""           # description of the workload used
 
 
-def heuristic_for(key: TuningKey, kernel: str = "rpa-tune") -> BlockSizes | None:
+def heuristic_for(key: TuningKey, kernel: str = DEFAULT) -> BlockSizes | None:
     """The key's baseline, as the sweep evaluated it (ours: ``kernel.heuristics.heuristic_for_key``;
     the public kernel: its own default, ``rpa_tune.kernels``)."""
-    from .kernels import get_kernel
     return get_kernel(kernel).heuristic(key)
 
 
 def kernel_dir(out_dir, kernel: str) -> Path:
-    """Where ``kernel``'s tables live under a tables directory: ours at its top, the public
-    kernel's in ``tpu-inference/`` (so our kernel's loader never meets them)."""
-    out = Path(out_dir)
-    return out if kernel == "rpa-tune" or out.name == kernel else out / kernel
+    """Where ``kernel``'s tables live under a tables directory: ours at its top, another
+    kernel's in its ``table_subdir`` (so our kernel's loader never meets them)."""
+    from .kernels import table_dir
+    return table_dir(out_dir, kernel)
 
 
 def _row_key(r) -> TuningKey:
@@ -237,14 +238,9 @@ def _margin(method: str, best: ConfigStats, heur: ConfigStats | None) -> float:
     return max(MEASURED_MIN_GAIN, MEASURED_SPREAD_FACTOR * max(rel + [0.0]))
 
 
-def _needs_a_device(key: TuningKey) -> str | None:
-    """Why estimates of this key's generation and case are refused (``rpa_tune.coverage``)."""
-    from .coverage import NEEDS_A_DEVICE_CASES
-    return NEEDS_A_DEVICE_CASES.get((key.generation, Case.parse(key.case).value))
-
-
-def select_key(key: TuningKey, rows: list[dict], kernel: str = "rpa-tune") -> KeyReport:
+def select_key(key: TuningKey, rows: list[dict], kernel: str = DEFAULT) -> KeyReport:
     """The table entry for one key from its result rows (see the module docstring)."""
+    kern = get_kernel(kernel)
     ok = [r for r in rows if _str(r.get("status")) == "ok" and _str(r.get("method")) in ("estimate", "measured")
           and _clean(r.get("metric")) is not None and math.isfinite(float(r["metric"]))
           and float(r["metric"]) > 0]
@@ -297,7 +293,7 @@ def select_key(key: TuningKey, rows: list[dict], kernel: str = "rpa-tune") -> Ke
         promoted = True
         decision = (f"promoted: the heuristic {tuple(hbs)} failed for this key ({disq[hbs]})")
         heur_metric = None
-    elif heur is None and hbs is None and kernel != "rpa-tune":
+    elif heur is None and hbs is None and kern.baseline_may_be_missing:
         promoted = True       # tpu-inference's get_default_block_sizes raises there (v4): no default runs
         heur_metric = None
         decision = f"promoted: {kernel} has no default block sizes for this key"
@@ -324,14 +320,13 @@ def select_key(key: TuningKey, rows: list[dict], kernel: str = "rpa-tune") -> Ke
         else:
             promoted = False
             decision = f"not promoted: gain {gain:.2%} <= margin {margin:.2%} ({method})"
-    device = _needs_a_device(key) if method == "estimate" and kernel == "rpa-tune" else None
+    device = kern.refused_estimate(key) if method == "estimate" else None
     if device and promoted:
         promoted = False
         decision = (f"not promoted: {key.generation} {key.case} estimates are refused ({device}); "
                     f"tune it on a device (rpa-tune sweep --backend tpu)")
-    if promoted and method == "estimate" and kernel == "rpa-tune" and gain is not None:
-        from .estimator.compose import composition_error
-        err = composition_error(key.case, best.bs, _str(best.rows[0].get("evaluator_version")))
+    if promoted and method == "estimate" and gain is not None:
+        err = kern.composition_error(key.case, best.bs, _str(best.rows[0].get("evaluator_version")))
         need = 1.0 / (1.0 - err) - 1.0
         if err and gain <= need:
             promoted = False
@@ -352,7 +347,8 @@ def select_key(key: TuningKey, rows: list[dict], kernel: str = "rpa-tune") -> Ke
     spread = float(best.spread)
     # the public kernel's limit is its own default at serving time (the estimate used half
     # of VMEM deviceless, rpa_tune.estimator.public): none is recorded
-    vmem_limit = _entry_vmem_limit(key, best.bs, _int(rep.get("vmem_limit_bytes"))) if kernel == "rpa-tune" else None
+    vmem_limit = (_entry_vmem_limit(key, best.bs, _int(rep.get("vmem_limit_bytes"))) if kern.records_vmem_limit
+                  else None)
     entry = Entry(key=key, block_sizes=best.bs, promoted=promoted, decision=decision,
                   metric=float(best.metric), unit=_str(rep.get("unit")) or "s", method=method,
                   heuristic_block_sizes=hbs, heuristic_metric=heur_metric, gain=gain,
@@ -376,7 +372,7 @@ def _entry_vmem_limit(key: TuningKey, bs: BlockSizes, evaluated: int | None) -> 
     return None if evaluated == default else int(evaluated)
 
 
-def build_tables(df, *, workload_ids=(), kernel: str = "rpa-tune") -> tuple[dict[str, Table], list[KeyReport]]:
+def build_tables(df, *, workload_ids=(), kernel: str = DEFAULT) -> tuple[dict[str, Table], list[KeyReport]]:
     """Tables per generation of ``kernel`` from a results DataFrame, and a report per key.
 
     ``workload_ids``: only rows whose ``workload_id`` starts with one of them (a key tuned on
@@ -431,12 +427,12 @@ def results_digest(rows: list[dict]) -> str:
     return "sha256:" + hashlib.sha256("\n".join(lines).encode()).hexdigest()[:16]
 
 
-def table_info(generation: str, kernel: str = "rpa-tune", kernel_version: str | None = None,
+def table_info(generation: str, kernel: str = DEFAULT, kernel_version: str | None = None,
                digest: str | None = None) -> dict:
     """A table's ``info``. Our kernel's tables name no kernel (as before there were two);
     the public kernel's say which, and its version. ``digest``: ``results_digest`` of the
     rows it was exported from."""
-    who = {} if kernel == "rpa-tune" else {"kernel": kernel, "kernel_version": kernel_version}
+    who = {} if kernel == DEFAULT else {"kernel": kernel, "kernel_version": kernel_version}
     return {
         **who,
         "generated_by": "rpa-tune export",
@@ -484,7 +480,7 @@ def merge_tables(tables: dict[str, Table], out_dir, *, replace: bool = False
         old = Table.read(path) if path.exists() else Table(info=new.info)
         if old.kernel != new.kernel:
             raise TableError(f"{path} is a table of kernel {old.kernel}, not {new.kernel} (its tables go "
-                             f"to {'the top of the tables directory' if new.kernel == 'rpa-tune' else new.kernel + '/'})")
+                             f"to {kernel_dir(out_dir.parent if out_dir.name == old.kernel else out_dir, new.kernel)})")
         o, n = old.by_key(), new.by_key()
         rep = MergeReport(g)
         for k in sorted(set(o) | set(n)):

@@ -46,12 +46,13 @@ def rejudge(df):
     from kernel.workload import ModelShape, Workload
 
     from . import audit
+    from ..kernels import get_kernel, row_kernel
     df = df.copy()
     changed = np.zeros(len(df), dtype=bool)
     cols = {c: df.columns.get_loc(c) for c in ("metric", "memory_bound_s", "active_bound", "audit", "message")}
     memo = {}
     for i, r in enumerate(df.itertuples(index=False)):
-        if not (r.backend == "compile" and r.kernel == "rpa-tune" and r.status == "ok" and r.method == "estimate"
+        if not (r.backend == "compile" and get_kernel(row_kernel(r.kernel)).rejudgeable and r.status == "ok" and r.method == "estimate"
                 and r.cycles == r.cycles and r.cycles is not None):
             continue
         sw = _window(r)
