@@ -119,11 +119,10 @@ def lower_deviceless(model: ModelShape, limits: ServingLimits, tpu: str, block_s
         sh = args["kv_cache"].sharding
         # q / o with as many rows as the new K/V (which prefill / mixed read a KV block at
         # a time, so it has bkv rows of padding where q / o need bq): with a few-token
-        # decode's q / o (4 rows) the static profiler reported 0 cycles for the kernel on
-        # v5e and v6e, and the rows it takes to profile vary (a 3-token decode with the new
-        # K/V at 259 rows: fp8 from 68-131 rows on, head_dim 256 from 513-1024); with the
-        # new K/V's rows it profiles on every generation tested. The kernel
-        # never reads past the workload's tokens, so the rows cost it nothing.
+        # decode's q / o (4 rows) the static profiler gives the kernel 0 cycles on v5e and
+        # v6e, and the rows it needs to profile depend on the dtype and head_dim; with the
+        # new K/V's rows it profiles on every generation. The kernel never reads past the
+        # workload's tokens, so the rows cost it nothing.
         rows = shapes[1].shape[0]
         shapes = [x if i == 1 else jax.ShapeDtypeStruct((max(x.shape[0], rows),) + x.shape[1:], x.dtype)
                   for i, x in enumerate(shapes)]
@@ -165,10 +164,9 @@ def estimate_limits(workload: Workload, limits: ServingLimits, block_sizes: dict
 def estimate_num_pages(workload: Workload, model: ModelShape, limits: ServingLimits, tpu: str) -> int:
     """Pages of the KV cache an estimate compiles with: the workload's own, and at least
     enough for the cache to be twice the generation's VMEM. XLA keeps a cache that size
-    in HBM, as a serving cache always is; a cache cut to a small workload's size was
-    placed in VMEM (even donated), and the kernel's page DMAs were then costed VMEM ->
-    VMEM. The size costs the profiler nothing more (v6e prefill probe: 512 and 4096 pages
-    give the same cycles, time and memory)."""
+    in HBM, as a serving cache always is; XLA places a cache cut to a small workload's
+    size in VMEM (even donated), and the kernel's page DMAs are then costed VMEM -> VMEM. The size costs the profiler nothing more: its cycles, time and memory do not
+    depend on the number of pages."""
     import numpy as np
     from .hardware import tpu_info
     page_bytes = int(np.prod(get_kv_cache_shape(1, limits.page_size, model.num_kv_heads, model.head_dim,
@@ -196,9 +194,9 @@ def lower_for_estimate(workload: Workload, block_sizes, tpu: str, model: ModelSh
     # (its VMEM scratch depends on the block sizes and the model only).
     limits = estimate_limits(workload, limits, bsd)
     meta = static_meta_for(workload, limits)
-    # fp8: see lower_deviceless. head_dim > 128: the profiler spends about 10 s and over
-    # 3 GB on each XLA op that pads or fills the q / new-KV / output operands (v6e, a
-    # 4-token decode; the kernel itself profiles in 2 s).
+    # fp8: see lower_deviceless. head_dim > 128: the profiler spends far more time and
+    # memory on each XLA op that pads or fills the q / new-KV / output operands than on
+    # the kernel itself.
     attn_options.setdefault("prepared_operands", np.dtype(model.kv_dtype).itemsize == 1 or model.head_dim > 128)
     return lower_deviceless(model, limits, tpu, bsd, cases=(case.value,), static_meta=meta,
                             num_pages=estimate_num_pages(workload, model, limits, tpu),

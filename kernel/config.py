@@ -165,10 +165,7 @@ class TpuGeneration:
     score_tile_vregs: int = 256
     # Prefill / mixed: the softmax's exp of (score - max) in bf16, the dtype p takes for
     # its PV product anyway; row sums stay f32. The 256-wide generations, whose VPU and EUP
-    # have bf16: TPU7x, the mixed step of benchmarks/vs_public.py, 100.2k -> 97.6k
-    # estimated cycles; v6e, 1K causal prefill at (128, 512, 128, 256) with the per-block
-    # state reset cut to m (kernel/rpa.py, reset_max): Llama-3-8B -2.2 % (101.2k -> 99.0k),
-    # head_dim 256 -1.5 % (the mixed step before that cut: 96.2k -> 95.8k).
+    # have bf16: TPU7x and v6e (estimates in notebook.md).
     bf16_exp: bool = False
 
 

@@ -65,9 +65,8 @@ class _Sem:
 class _Word:
     """Words of the SMEM scalar scratch ``cnt_ref``. KV_PAGES_0 / KV_PAGES_1: pages in
     flight into KV slot 0 / 1, at static addresses (libtpu's static profiler does not
-    follow SMEM at a dynamic address; a wait count read that way made its estimate depend
-    on the order of the sequences: v6e decode, the same 8 contexts, 158k cycles sorted,
-    245k not)."""
+    follow SMEM at a dynamic address; a wait count read that way makes its estimate depend
+    on the order of the sequences)."""
     KV_PAGES_0 = 0
     KV_PAGES_1 = 1
     Q_SLOT = 2         # q_buf slot of the current q block
@@ -114,8 +113,8 @@ def _unsigned_scalar_op(op, a, b):
 
     Analysis mode: signed scalar division / remainder by a constant lowers to an absolute
     value taken with ``smin.u32``, an instruction libtpu's static profiler does not
-    evaluate; the quotient (and every trip count, position or predicate derived from it)
-    was unknown to it. Unsigned division lowers to shifts / multiply-high, which it
+    evaluate, so the quotient (and every trip count, position or predicate derived from
+    it) would be unknown to it. Unsigned division lowers to shifts / multiply-high, which it
     evaluates."""
     u = lambda x: (jnp.asarray(x, jnp.int32) if isinstance(x, int) else x).astype(jnp.uint32)
     return op(u(a), u(b)).astype(jnp.int32)
@@ -367,13 +366,10 @@ def _row_tile(rows: int, ckv: int, budget_vregs: int) -> int:
     multiple of 16 (a bf16 q tile) and keeps the f32 score tile (rows x ckv) within
     ``budget_vregs`` vregs; ``rows`` itself when it has no such divisor (small decode
     tiles). Every tile pushes the chunk's K into the MXU as weights again, and the score
-    tile is spilled either way (the register file holds 64 vregs). Measured on prefill
-    q blocks (Llama-3-8B shard; with the heads' tiles software-pipelined): v6e, 256
-    tokens after 1K, (128, 512, 128, 256): 512-row tiles (budget 256) 49.7k cycles,
-    256-row (64) 50.3k; a 512-token causal chunk at (256, 1024, 128, 512): 44.6k (256),
-    45.7k (128), 52.9k (64), 76.4k (32). TPU7x, 256 after 1K: 58.3k (256), 59.2k (64).
-    v5e, 256 after 1K: 73.0k (64), 77.8k (128 or more). Hence a budget per generation
-    (``TpuGeneration.score_tile_vregs``)."""
+    tile is spilled either way (the register file holds 64 vregs). The best budget in the
+    static profiler's estimates differs by generation (tall tiles on the 256-wide MXUs,
+    short ones on the 128-wide), hence a budget per generation
+    (``TpuGeneration.score_tile_vregs``; estimates in notebook.md)."""
     budget = max(16, (budget_vregs * 8 * LANES) // max(LANES, ckv))
     best = None
     for t in range(16, min(rows, budget) + 1, 16):
@@ -539,8 +535,7 @@ class _Metadata:
             # merged: the new token's position is in the last step's block (it is unless
             # it starts a block: ctx a multiple of bkv). It is then attended with the
             # cached keys (_Attention.place_new_token), else apart on the VPU (a step of
-            # its own cost 1.8x: v6e, 8 x 1025 tokens at (1, 1024, 1, 512), 68.9k against
-            # 38.0k estimated cycles).
+            # its own would cost far more; estimates in notebook.md).
             nc = _max(1, _cdiv(ctx, g.bkv) - c0)
             merged = _select_lt(ctx, (c0 + nc) * g.bkv, 1, 0)
             return _Steps(c0, nc, 0, 0, merged, ctx + merged)
@@ -552,8 +547,7 @@ class _Metadata:
         # tokens, bkv 512: tokens 2044 .. 2047). Then the new tokens are read from the
         # cache with that step's pages, once the sequence's cache update (started with the
         # sequence) has landed, instead of as a step of their own: one step and, where
-        # dead chunks are not skipped, its chunks fewer (TPU7x, 4 x (4 new, 2044 cached)
-        # at (64, 512, 64, 256): 96.3k -> 79.0k estimated cycles in a scratch build).
+        # dead chunks are not skipped, its chunks fewer.
         merged = -_all_lt((nq, 2), (1, nc), (_div(q_last, g.bkv), _div(_max(0, ctx - 1), g.bkv) + 1))
         return _Steps(c0, nc, n_lo, nn - nn * merged, merged, ctx + q_len * merged)
 
@@ -692,8 +686,7 @@ class _Dmas:
         blk = _select_lt(k, nc, c0 + k, n0 + k - nc)
         # a new step's rows past the q block's last row are seen by none of its rows: not
         # fetched (so a causal q block's first step is its own rows' pages, not the whole
-        # block: v6e 1K causal prefill at (128, 512, 128, 256), head_dim 256 83.6k -> 74.3k
-        # estimated cycles, Llama-3-8B 99.0k -> 96.3k)
+        # block)
         limit = _select_lt(k, nc, st.cached_limit, _min((i + 1) * g.bq, q_len))
         npages = _cdiv(_max(0, _min(g.bkv, limit - blk * g.bkv)), g.ps)
         self.set_kv_pages(slot, npages)
@@ -770,10 +763,8 @@ class _Attention:
         """Per q block: only m is reset. l and acc keep the previous block's values, which
         are finite (sums of p * V over zeroed or valid V rows); a row's first update with
         a visible key has alpha = exp(MASK_VALUE - m) = 0, which zeroes both, and a row
-        that sees none is padding, as before. Zeroing them per q block, in the serial
-        stretch between two q blocks' compute, cost 3 % of a 1K causal prefill (v6e,
-        (128, 512, 128, 256): head_dim 256 88.3k -> 85.7k estimated cycles, Llama-3-8B
-        108.4k -> 104.9k)."""
+        that sees none is padding either way. Zeroing them per q block would add work to
+        the serial stretch between two q blocks' compute (estimates in notebook.md)."""
         r = self.refs
         r.m[...] = jnp.full(r.m.shape, MASK_VALUE, jnp.float32)
 
@@ -782,10 +773,8 @@ class _Attention:
     # query head j (q chunk, then query head, then token), so each query head's tokens are
     # aligned row slabs. A bf16 q with an even G is read and written as uint32 words, two
     # query heads per word (``_strided_words``; the buffers may have a padding head,
-    # ``kernel.vmem.q_buffer_heads``). Before, the rows were token-then-head: turning q
-    # into them (and back for o) cost a sublane shuffle per vreg (v6e, head_dim 256,
-    # 1 x 1024 causal prefill at (128, 512, 128, 256): 100.5k -> 88.3k estimated cycles;
-    # Llama-3-8B 111.0k -> 108.4k).
+    # ``kernel.vmem.q_buffer_heads``). Token-then-head rows would cost a sublane shuffle
+    # per vreg to turn q into them (and back for o).
     def _words_mode(self) -> bool:
         # (decode: each token's G rows are already a (G, Dp) slab)
         return self.refs.q_buf.dtype == jnp.bfloat16 and self.g.G % 2 == 0 and not self.g.decode
@@ -957,9 +946,8 @@ class _Attention:
 
                 # Up to MAX_UNROLLED_Q_CHUNKS q chunks are unrolled, more are a loop, in
                 # serving and in analysis alike (the estimate prices the program that
-                # serves). As a loop the chunks cost far more (a 512-token causal chunk:
-                # v6e (256, 512, 16, 256) 1.48x unrolled; (128, 512, 32, 256) 1.9x on v5e,
-                # 3.6x on TPU7x).
+                # serves). As a loop the chunks cost far more in the estimate (figures in
+                # notebook.md).
                 _loop(0, g.n_qchunks, qc, 0, unroll_static=not spec.bs.q_chunk_loop)
 
             if spec.bs.q_chunk_loop:
@@ -968,10 +956,8 @@ class _Attention:
                 return carry
             # The heads' and q chunks' tiles are software-pipelined in program order,
             # the PV product of one tile issued after the scores of the next, so the
-            # MXU has independent work while a tile's softmax runs (v6e, (128, 512,
-            # 128, 256): 1K causal prefill 125.5k -> 121.1k cycles, 512 causal 46.1k
-            # -> 44.8k). Holding more tiles' scores (as decode does) does not fit: a
-            # prefill tile is up to 256 vregs.
+            # MXU has independent work while a tile's softmax runs. Holding more tiles'
+            # scores (as decode does) does not fit: a prefill tile is up to 256 vregs.
             pending = None
             for h in range(Hkv):
                 kk, vv = self.kv_of_head(kvslot, x, h, row_ok)
@@ -986,10 +972,8 @@ class _Attention:
 
         # Prefill / mixed: the chunks of a step are unrolled; each runs under a
         # ``pl.when`` on whether it holds a visible key, so the chunks past the causal
-        # diagonal, past a cached step's valid tokens or before the window cost nothing
-        # (v6e, bq 128 / bkv 512 / ckv 256: a q block after 128 cached tokens 26.1k ->
-        # 17.2k cycles, a 512-token causal chunk 54.6k -> 46.1k, a q block after 4K of
-        # context 91.8k -> 89.0k). On TPU7x libtpu's static profiler aborts on that
+        # diagonal, past a cached step's valid tokens or before the window cost nothing.
+        # On TPU7x libtpu's static profiler aborts on that
         # branch ("Cannot schedule FIFO push ... FIFO name: kErf", at a vexp2), as on a
         # loop over the live range, so there every chunk is computed, masked
         # (``TpuGeneration.skip_dead_chunks``).
@@ -1048,10 +1032,8 @@ class _Attention:
             acc)."""
             # Every head's scores and softmax are issued before any head's PV product. The
             # MXU hands results back in issue order, so a PV issued right after its own
-            # head's scores leaves the MXU idle through that head's softmax. TPU7x, 16 x 2K
-            # decode, (1, 2048, 1, 1024): PV after the own head's scores 171k cycles, after
-            # the next head's 107k, three heads later 91k, after all heads 89k (v6e: 146k,
-            # 134k, 133k).
+            # head's scores leaves the MXU idle through that head's softmax (estimates in
+            # notebook.md).
             stats = []
             for b, (ctx, base, limit, *_) in enumerate(seqs):
                 start = base + x * ckv
@@ -1083,9 +1065,8 @@ class _Attention:
         (``nkv_buf[nslot, b]``) into its block in KV slot ``kvslot``, at its position, once
         the slot's pages have landed: the last step then attends to it with the cached
         keys. Its cache write is in flight meanwhile; the page copies read only the cached
-        positions. Attending to it apart on the VPU put a lane reduction and a second
-        softmax update on every sequence's critical path (v6e decode 8 x 128 tokens at
-        (1, 128, 1, 128): 11,535 -> 10,591 estimated cycles)."""
+        positions. Attending to it apart on the VPU would put a lane reduction and a second
+        softmax update on every sequence's critical path."""
         g, r = self.g, self.refs
         off = info[3] - blk * g.bkv                             # ctx: the new token's position
         p, t = b * g.pages_per_block + _div(off, g.ps), _rem(off, g.ps)
@@ -1128,9 +1109,7 @@ class _Attention:
         if words_mode:
             words, stride = self._buf_words(r.o_buf, oslot), r.o_buf.shape[2] * G // 2
         for h in range(g.Hkv):
-            # (l is lane-replicated: no lane broadcast of its first lane. v6e 1K causal
-            # prefill at (128, 512, 128, 256): Llama-3-8B 104.9k -> 101.2k estimated
-            # cycles, head_dim 256 85.7k -> 84.9k)
+            # (l is lane-replicated: no lane broadcast of its first lane)
             out = r.acc[h] * _lanes(v_scale / r.l[h], g.Dp)    # (bq * G, Dp), rows as load_q's
             head = lambda j: jnp.concatenate([out[(y * G + j) * cq:(y * G + j + 1) * cq] for y in range(g.n_qchunks)],
                                              axis=0)         # query head j: (bq, Dp)
