@@ -1,10 +1,10 @@
 """A config's cost for any workload, from a few small probe compiles.
 
 libtpu's static profiler simulates what it compiles, so its time and memory grow with the
-workload (a full 128 x 2K decode on v6e: 56 s and 3.9 GB; prefill chunks more). So per
-config we compile a handful of small *probe* workloads, each a real program of the kernel
-(the same code path as serving: one pipeline across all sequences), fit a cost model to
-their cycles and price any workload from the kernel's own walk over it (``kernel.steps``):
+workload. So per config we compile a handful of small *probe* workloads, each a real
+program of the kernel (the same code path as serving: one pipeline across all sequences),
+fit a cost model to their cycles and price any workload from the kernel's own walk over it
+(``kernel.steps``):
 
 * prefill / mixed: a sum of per-item costs (per call, sequence, q block, KV step, cached
   page; ``case_features``), fitted by least squares; the probes' differences isolate each
@@ -70,8 +70,7 @@ def probes(case: Case | str, bs: BlockSizes, page_size: int, skip_dead_chunks: b
         if partial_chunk_probe(bs, P):
             # every length above is a whole number of chunks when ckv == P: without this probe
             # no step ends in a partial chunk and its cost (``pipeline_cycles``: "partial"),
-            # which nearly every served sequence pays, was left to the fit's whim (56k
-            # cycles a sequence for v5e (1, 4096, 1, 256) at page 256, 30x the probes' own)
+            # which nearly every served sequence pays, is left to the fit's whim
             shapes.append((4, ckv + max(1, P // 2)))
         seen, out = set(), []
         for n, ctx in shapes:
@@ -83,15 +82,14 @@ def probes(case: Case | str, bs: BlockSizes, page_size: int, skip_dead_chunks: b
     one = [(bq, bq)]
     # Where dead chunks are skipped, chunks and cached pages vary apart only if a probe's
     # cached context is not a whole number of chunks' pages: with (bq, bq + 2 bkv) instead,
-    # chunk and page costs were confounded (only chunk + 3 page was determined) and a
-    # 1K causal prefill, whose diagonal steps have chunks but no pages, came out 20 % low
-    # on v6e (-3 % with this probe).
+    # chunk and page costs are confounded (only chunk + 3 page is determined), which
+    # misprices a causal prefill, whose diagonal steps have chunks but no pages.
     third = [(bq, bq + ckv + P)] if skip_dead_chunks else [(bq, bq + 2 * bkv)]
     shapes = (one, [(bq, bq + bkv)], third, [(2 * bq, 2 * bq)], one * 2, [(bq, bq + P)], [(bq, bq + bkv + P)])
     if case == Case.MIXED and warm_up:
         # like sequences in a row are one loop in the analysis program (kernel.analysis),
-        # which serving does not have: the second of two cost 390 cycles where it costs
-        # 2,860 after another sequence (v5e, Llama-3-70B TP8, (16, 1024, 8, 1024))
+        # which serving does not have: the second of two costs far less there than after
+        # another sequence
         shapes = [unlike_in_a_row(mixed_warm_up(P) + s) for s in shapes]
         shapes = [s for i, s in enumerate(shapes) if s not in shapes[:i]]   # ckv == bkv: 3rd is 7th
     out = [Probe(*zip(*s)) for s in shapes]
@@ -104,8 +102,8 @@ def long_walk_probe(bs: BlockSizes) -> Probe:
     """One q block after four KV steps of cached context (two or three for a ``bkv`` over
     1024): a walk long enough that each KV step waits on its page DMAs where they take
     longer than its compute, as in serving. The other probes walk one to three steps, where
-    that wait never shows, and priced prefill of bq 32 26-46 % low against whole compiles
-    (benchmarks/README.md, "Small q blocks"); ``fit`` prices the wait per pipelined page."""
+    that wait never shows, so without it small-q prefill is priced low against whole
+    compiles (benchmarks/README.md, "Small q blocks"); ``fit`` prices the wait per pipelined page."""
     n = max(2, min(4, 4096 // bs.bkv))
     return Probe((bs.bq,), (bs.bq + n * bs.bkv,))
 
@@ -134,10 +132,10 @@ def mixed_warm_up(page_size: int) -> list[tuple[int, int]]:
 
     A mixed batch holds 7-34 sequences (``rpa_tune.workloads.mixed_workload``), and in one
     the first sequence waits for its first KV fetch, which later ones get during earlier
-    compute, and the second costs a constant less than the rest (1,150-1,250 cycles on v5e
-    for Llama-3-70B TP8 at (64, 512, 16, 512)). Probes of one or two sequences priced every
-    sequence like a batch's first two: 5-20 % low for batches of many short sequences on
-    v5e, by config (so the ranking of configs was wrong). With the warm-up, ``call``
+    compute, and the second costs a constant less than the rest. Probes of one or two
+    sequences would price every sequence like a batch's first two: low for batches of many
+    short sequences, and by a different amount per config, which would skew the ranking of
+    configs. With the warm-up, ``call``
     absorbs the first two sequences' discount, and the probes' differences price the rest.
     benchmarks/README.md ("Composition for many sequences") has the check against whole
     compiles."""
@@ -158,16 +156,15 @@ def smallest_probe(case: Case | str, bs: BlockSizes, page_size: int, skip_dead_c
 
 
 # Prefill compositions without ``long_walk_probe`` (compile evaluator versions before 7)
-# against whole compiles of the same workloads (one 128- or 256-token chunk after 1-2K
-# cached tokens; benchmarks/README.md, "Small q blocks"): a bq of 128 or more composed within
-# 0.4 % on v5e, v5p and v6e, bq 64 up to 15 % low, bq 32 26-46 % low. A small q block's KV
-# steps wait on their page DMAs in a long walk, which those probes' one to three steps never
-# show, so they price such a step at its compute. Re-priced with it, two v5p keys' configs
-# rose up to 1.90x (bq 32) and 1.22x (bq 64), bq 128 at most 1.005x. The worst seen, by bq:
+# price a small bq low against whole compiles of the same workloads (benchmarks/README.md,
+# "Small q blocks"): a small q block's KV steps wait on their page DMAs in a long walk, which
+# those probes' one to three steps never show, so they price such a step at its compute.
+# The most a config was found low, by bq (whole compiles and configs re-priced with the
+# long-walk probe; figures in notebook.md):
 PREFILL_UNDERPRICED = ((32, 0.48), (64, 0.18))     # bq at most, fraction low (bq >= 128: none)
 
 
-PREFILL_LONG_WALK_VERSION = 7     # the compile evaluator's prefill version since ``long_walk_probe``
+PREFILL_LONG_WALK_VERSION = 7     # the first compile evaluator prefill version with ``long_walk_probe``
 
 
 def composition_error(case: Case | str, bs: BlockSizes, evaluator_version: str | None = None) -> float:
@@ -240,7 +237,8 @@ def pipeline_cycles(theta, steps, page_floor: float = 0.0) -> float:
 
     A sum of per-item costs cannot price decode where HBM is the bound (v5e, TPU7x): a
     step costs its compute when its pages are few and its DMA when they are many, so a
-    linear fit priced 12-16 short sequences 5-10 % low there (benchmarks/README.md)."""
+    linear fit prices batches of short sequences low there (benchmarks/README.md,
+    "Composition")."""
     call, seq, c0, c1, c2, d0, d1 = theta
     dma_done = issue = 0.0
     comp_end = call
@@ -255,11 +253,11 @@ def pipeline_cycles(theta, steps, page_floor: float = 0.0) -> float:
 def dma_page_floor(tpu: str, model: dict, page_size: int) -> float:
     """The fewest cycles one page of merged K/V can take to fetch: its bytes at the HBM
     peak (``kernel.hardware``) and the calibrated clock. The profiler lets a step's page
-    DMAs run concurrently at up to 1.5x (v5e, v6e, TPU7x) and 3x (v5p) that peak
-    (``calibration.json``: ``hbm_bw_double_buffered_bytes_per_second``), so a decode
-    pipeline fitted to its probes fetched a page of Llama-3-8B's 8 KV heads at 1.8x the
-    peak on v5e, and priced HBM-bound decode faster than HBM allows: the audit then refused
-    the configs the profiler flattered most. Pricing (not the fit) keeps each step's page
+    DMAs run concurrently above that peak (``calibration.json``:
+    ``hbm_bw_double_buffered_bytes_per_second``; benchmarks/README.md, "Calibration"), so a
+    decode pipeline fitted to its probes can fetch a page faster than HBM allows and price
+    HBM-bound decode too fast: the audit would then refuse the configs the profiler
+    flatters most. Pricing (not the fit) keeps each step's page
     DMAs at or above this floor."""
     from kernel.hardware import tpu_info
     from kernel.workload import ModelShape
@@ -292,10 +290,9 @@ def case_features(case: Case | str) -> tuple[str, ...]:
     computed chunk (the chunks holding a visible key where the generation skips dead chunks;
     on TPU7x every chunk, so chunks are steps x ``bkv / ckv`` and share the step's cost). A
     step of new tokens costs what a cached step costs (the same compute; its KV comes from
-    the new-KV array instead of pages). Pricing new steps and their pages apart was wrong:
-    in every small probe each q block has exactly one new step, so those items were
-    collinear with q blocks, and a 1K causal sequence came out 10 % high on v6e; with one
-    step item it is within 2 % (benchmarks/README.md, "Estimator")."""
+    the new-KV array instead of pages). New steps and their pages cannot be priced apart:
+    in every small probe each q block has exactly one new step, so those items are
+    collinear with q blocks (benchmarks/README.md, "Composition")."""
     if Case.parse(case) == Case.DECODE:
         return PIPELINE_PARAMS
     return ("call", "seq", "qblock", "step", "page_cached", "chunk")
@@ -389,9 +386,8 @@ def inconsistent_probes(case: Case | str, bs: BlockSizes, page_size: int, probe_
     another's queries and more cached KV steps (and no less of any priced item) but costs no
     more cycles. Its extra steps' work is in the trace (the audit counts it) and yet not in
     the cycles: a latency the profiler charges whatever the work hides it, and a fit to such
-    probes prices cached KV at nothing (or less). Seen on TPU7x: 18,497 cycles for 256
-    queries after 0, 256, 512 or 1,024 cached tokens, (256, 512, 32, 256) at page 256; the
-    composed 8K prefill then implied 1.47x the MXU peak (benchmarks/README.md, "Estimator").
+    probes prices cached KV at nothing (or less). Seen on TPU7x (benchmarks/README.md,
+    "Probes whose cycles ignore their cached KV").
     Decode is not checked: its pipeline model prices hidden page DMAs by design."""
     case = Case.parse(case)
     if case == Case.DECODE:
@@ -721,11 +717,8 @@ def _write_cache(path: str, out: dict) -> None:
     """A config's probe verdict, written whole or not at all. Besides ``ok`` ones, the
     crashes its program causes (``profiler.MEMORY_CAP``, ``profiler.LIBTPU_ABORT``) and the
     compiler's VMEM OOM at the scoped limit the cache key holds: they are what the same
-    probes give again at every token bucket of the key, and each cost up to minutes (five
-    repeats among the 51 crashed rows of tables/results and benchmarks/results/exhaustive:
-    1,431 s; v5p's Gemma-2 sliding-window mixed fill at bucket 512 took 382 s compiling
-    its configs' OOMs before their limit retries, 75 s with them recorded, every estimate
-    the same: docs/estimator.md)."""
+    probes give again at every token bucket of the key, and each can cost minutes of
+    compiling (docs/estimator.md, "Probe cache")."""
     import json
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = path + f".{os.getpid()}.{threading.get_ident()}.tmp"

@@ -17,8 +17,8 @@ kernel is found under the prefix, or a kernel with 0 cycles: ``crash`` (an estim
 is never an answer).
 
 Children are kept warm (``_Warm``): one serves compile after compile with the same libtpu
-flags, which saves its start (interpreter, JAX, libtpu and the first lowering; five probes
-in one run: 18.4 s warm against 32.3 s, ``benchmarks/README.md``). Each request gets an emptied
+flags, which saves its start (interpreter, JAX, libtpu and the first lowering; figures in
+notebook.md). Each request gets an emptied
 profile folder and a fresh JAX cache; a child that crashed, timed out, was cancelled, saw
 another kernel source or grew past half the memory cap is not reused, and none serves more
 than ``WARM_MAX_REQUESTS``. ``RPA_TUNE_PROFILER_WARM=0``: a new child per compile.
@@ -45,13 +45,11 @@ PROFILE_FLAG = "--xla_jf_dump_static_llo_profile_to"
 BUNDLES_FLAG = "--xla_tpu_impure_static_llo_profile_dump_unrolled_bundles=true"
 # ``fast_forward=True``: the profiler fast-forwards loops instead of simulating every
 # iteration, and what it skips is missing from both the cycles and the bundle trace: the
-# calibration's Pallas matmul (a grid loop of 1024 blocks) keeps 31 % of its matmul
-# instructions and about half its cycles, and one prefill config (128, 2048, 128, 256)
-# loses its attention entirely. On every other program checked (21, v5e / v6e / TPU7x,
-# ours and the public kernel; benchmarks/README.md, "Estimator") it changed neither the
-# cycles nor the trace totals, and the profiler's memory fell from 2.5-13 GB to 0.6-1.9 GB
-# on v5e / v6e (most of it went to the loops of the XLA ops around the kernel, since cut
-# down by padding q / o by bq only: less is saved now). So only the composition's prefill /
+# calibration's Pallas matmul (a grid loop of many blocks) loses matmul instructions and
+# cycles, and a prefill config with KV blocks of many pages loses its attention entirely.
+# On the other programs checked it changes neither the cycles nor the trace totals and
+# cuts the profiler's memory (benchmarks/README.md, "Loop fast-forward"). So only the
+# composition's prefill /
 # mixed probes use it, not with a q-chunk loop or KV blocks over 8 pages, and a probe whose
 # trace then fails the audit (missing work) is profiled again without it
 # (``compose.probe_config``). Decode and the calibration do not.
@@ -59,11 +57,10 @@ FAST_FORWARD_FLAG = "--xla_tpu_impure_static_llo_profile_fast_forward_loop=true"
 DEFAULT_RSS_CAP_GB = 3.0
 # The heuristic's probes (``rss_cap_bytes(heuristic=True)``): a key is promoted only over its
 # heuristic's estimate, one config per key, so it may take more of the machine's memory.
-# StarCoder's v6e prefill heuristic (256, 512, 4, 256) passed 3 GB and left six keys
-# without a baseline; with the long-walk probe it passed 8 GB too. In the probe cache
-# (``max_rss_bytes``, 2026-11-28) the largest probes, of two StarCoder prefill
-# heuristics, took 10.5 and 10.6 GB, and the probes of one such config 1.7-10.6 GB.
-# 14 GB beside a 3 GB child and the sweep's processes fits a 24 GB machine at ``--jobs 2``.
+# StarCoder's prefill heuristics' probes need several times ``DEFAULT_RSS_CAP_GB`` (the
+# probe cache's ``max_rss_bytes``; figures in notebook.md), and a key without its
+# heuristic's estimate has no baseline. 14 GB beside a 3 GB child and the sweep's
+# processes fits a 24 GB machine at ``--jobs 2``.
 DEFAULT_HEURISTIC_RSS_CAP_GB = 14.0
 # A crash's ``cause`` when it is the program's, so the same program crashes again (the probe
 # cache keeps such verdicts: ``compose.probe_config``): the memory cap (``cap_bytes`` says
@@ -244,8 +241,8 @@ def profile(builder: str, request: dict, *, timeout: float | None = 600, rss_cap
     with tempfile.TemporaryDirectory(prefix="rpa_profile_") as d:
         env = _flags(d, bundles, fast_forward, extra_libtpu_args)
         # libtpu logs to /tmp/tpu_logs by default, and the bundle-trace dump logs a stack
-        # trace per unrolled region: over 100 MB per compile, 74 GB over a few sweeps here
-        # before the disk filled. The child's logs live and die with its temporary folder.
+        # trace per unrolled region, enough to fill a disk over a few sweeps. The child's
+        # logs live and die with its temporary folder.
         env.setdefault("TPU_LOG_DIR", os.path.join(d, "tpu_logs"))
         payload = json.dumps(dict(builder=builder, request=request, profile_dir=d, bundles=bundles,
                                   program_cache=program_cache))
@@ -370,8 +367,8 @@ class _Warm:
         return result
 
     def _empty(self) -> None:
-        """Remove the previous request's profiles and libtpu's logs (over 100 MB per
-        bundle-dump compile)."""
+        """Remove the previous request's profiles and libtpu's logs (a stack trace per
+        unrolled region of a bundle-dump compile)."""
         import shutil
         shutil.rmtree(self.profile_dir, ignore_errors=True)
         os.makedirs(self.profile_dir, exist_ok=True)

@@ -41,7 +41,7 @@ computes (each found by reading the simulated bundle trace):
   reference tool's figures hold DMAs and bookkeeping only). The compute-chunk loop is also unrolled (at most
   ``MAX_UNROLL`` chunks): rolled and guarded, some causal configurations aborted the
   profiler ("Cannot schedule FIFO pop instruction when the FIFO is empty ... vpop.f32.mrf");
-  where both ran, rolled and unrolled cost the same (19 850 vs 19 859 cycles).
+  where both ran, rolled and unrolled cost the same.
 * The kernel's ``cdiv`` of a run-time value is computed with a shift (or a truncating
   division): its numerators are never negative, and ``jnp``'s floor division compiles to a
   sign fix-up around an unsigned min (``smin.u32``) that the profiler reads as 0.
@@ -86,8 +86,8 @@ instead of the new-KV array (the same bytes into VMEM).
 
 What the estimate is not (measured with probe kernels): the profiler costs a DMA whose
 size is a run-time value by that value, but does not share HBM bandwidth between
-concurrent DMAs (16 DMAs of 512 KiB issued together cost 1.9k cycles on v6e, one after
-another 20.3k), so a kernel with several pages in flight can be estimated below
+concurrent DMAs (benchmarks/README.md, "Calibration": 8 DMAs in flight against 1), so a
+kernel with several pages in flight can be estimated below
 bytes / HBM bandwidth. The trace's ``size_in_granules`` is printed only for DMAs of
 static size; most page DMAs here have run-time sizes.
 
@@ -95,12 +95,12 @@ Known failures (jax 0.12.0.1, libtpu 0.0.50.1): on TPU7x a prefill sequence of s
 blocks aborts the profiler ("No DMA issue node found for sync flag": a semaphore wait
 without a DMA issue it can match) while its single-q-block pieces and the mixed case run;
 on v5e prefill aborts it ("Expected vector-int16, got vector-bf16packed ...
-vunpack.c.l.s16.s32") and a 27-sequence mixed step passed 4 GB; decode runs on v5e, v6e
-and TPU7x. The profiler's memory grows with the simulated work:
-a whole 4096-token prefill (16 q blocks of 256) passed 4 GB. Estimate such sequences as
-the sum of their q blocks (a q block of ``r`` rows ending at ``e`` does the work of a
-sequence with ``q_len = r``, ``kv_len = e``); on v6e a 1024-token sequence cost 0.82x the
-sum of its eight q blocks (pipelining across blocks and one prologue).
+vunpack.c.l.s16.s32") and a mixed step of many sequences passes the profiler's memory
+cap; decode runs on v5e, v6e and TPU7x. The profiler's memory grows with the simulated
+work: a whole long prefill passes the cap too. Estimate such sequences as the sum of their
+q blocks (a q block of ``r`` rows ending at ``e`` does the work of a sequence with
+``q_len = r``, ``kv_len = e``); the sum is above the whole sequence's cost, which pipelines
+across blocks and has one prologue.
 
 ``options``: ``update_kv_cache`` (False), ``vmem_limit_bytes``, ``bounded_loops`` (True),
 ``unrolled_loops`` (("attention_loop",)), ``nonneg_div`` (True), ``int16_masks`` (False),

@@ -5,13 +5,12 @@ verdict follow from them by ``audit.time_model``. When that rule grows stricter,
 recorded before need no new compile: ``rejudge`` applies the rule to their cycles,
 workload and block sizes, as a new evaluation would.
 
-Since 2026-11-28 the memory bound of our kernel's configs counts the cached K/V their own
-walk fetches (``audit.walk_bytes``: a q block fetches its context again, so a small ``bq``
-reads the cache several times), not the context read once. A row whose estimate beats
-that bound by more than ``audit.RATE_TOLERANCE`` is refused (audit ``incomplete``, no
-metric: it cannot win); one within it keeps the bound as its time. Its message says so.
-Since 2026-11-29 that walk counts a head_dim under 128 padded to 128 lanes, as the cache
-holds it (``audit.time_model``); no row recorded before changed verdict or time by it.
+The memory bound of our kernel's configs counts the cached K/V their own walk fetches
+(``audit.walk_bytes``: a q block fetches its context again, so a small ``bq`` reads the
+cache several times), not the context read once, and counts a head_dim under 128 padded to
+128 lanes, as the cache holds it (``audit.time_model``). A row whose estimate beats that
+bound by more than ``audit.RATE_TOLERANCE`` is refused (audit ``incomplete``, no metric: it
+cannot win); one within it keeps the bound as its time. Its message says so (``NOTE``).
 
     python -m rpa_tune.estimator.rejudge tables/results            # what would change
     python -m rpa_tune.estimator.rejudge tables/results --write    # rewrite the changed rows
@@ -26,6 +25,7 @@ import json
 import re
 import sys
 
+# recorded into the message of every re-judged row: data, so its date stays (tests/test_docs.py)
 NOTE = "re-judged 2026-11-28: memory bound of the cached K/V this config's walk fetches"
 
 
