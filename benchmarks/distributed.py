@@ -7,10 +7,11 @@ Method: real ``rpa-tune sweep`` processes (``--backend compile``, grid over the 
 evaluators are the fake of tests/tune_fakes.py sleeping ``--delays`` s per config (no
 compile: the numbers isolate the coordination, not libtpu). Workers start together; wall =
 first start to last exit (process start-up included). Storage time = the wall time each
-worker spends in storage calls on its main thread (joining / creating the study and
-enqueueing, claiming, recording rows and tells, stale checks; the heartbeat thread is not
-counted), reported by ``sweep --json`` (``storage_s``), summed over workers and divided by
-the evaluations. Each run also checks that no config was evaluated twice.
+worker spends in storage calls on its main thread after joining (claiming configs, asking
+about the configs another worker holds, recording rows and tells, stale checks; the
+heartbeat thread is not counted), reported by ``sweep --json`` (``storage_s``; joining the
+study and reading its rows is ``storage_join_s``), summed over workers and divided by the
+evaluations. Each run also checks that no config was evaluated twice.
 
 ``--real``: the same with the real deviceless evaluator (``--backend compile``: libtpu's
 static profiler on the CPU, each run with an empty probe cache), written to

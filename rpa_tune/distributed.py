@@ -330,6 +330,7 @@ class StudyScheduler(Scheduler):
         self.inflight: dict[int, BlockSizes] = {}      # trial id -> config (this worker's)
         self.numbers: dict[int, int] = {}              # trial id -> trial number
         self.base: dict[str, int] = {}                 # config id -> number of the trial holding its row
+        self._seen = None                              # (when, the study's trials) last read
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._hb_thread = None
@@ -484,13 +485,16 @@ class StudyScheduler(Scheduler):
         """``base``: the number of the trial whose row is evaluated again (``redo``); it and
         the trials before it no longer answer for the config."""
         TS = self.optuna.trial.TrialState
-        for _ in range(20):
-            live = [t for t in self._trials_of(bs) if t.number > base and not t.user_attrs.get("skipped")]
+        for attempt in range(20):
+            # the first look may be a moment old (every claim is then made and checked afresh)
+            live = [t for t in self._trials_of(bs, self._trials(fresh=attempt > 0))
+                    if t.number > base and not t.user_attrs.get("skipped")]
             rows = sorted((t for t in live if "row" in t.user_attrs), key=lambda t: t.number)
-            if rows:
-                return Grant(DONE, row=_row_from_json(rows[0].user_attrs["row"]))
-            if any(t.state == TS.RUNNING for t in live):
-                return Grant(PENDING)
+            if rows or any(t.state == TS.RUNNING for t in live):
+                for t in live:          # another trial answers for it: close a copy made at the same time
+                    if t.state == TS.WAITING and self._take(t._trial_id):
+                        self._skip(t._trial_id, "duplicate")
+                return Grant(DONE, row=_row_from_json(rows[0].user_attrs["row"])) if rows else Grant(PENDING)
             waiting = sorted((t for t in live if t.state == TS.WAITING), key=lambda t: t.number)
             if not waiting:
                 if sum(t.state == TS.FAIL for t in live) > MAX_RETRY:
@@ -507,10 +511,11 @@ class StudyScheduler(Scheduler):
             if mine is None:
                 continue
             tid = mine._trial_id
-            if self._lost_race(bs, mine, base):
+            trials = self._trials(fresh=True)
+            if self._lost_race(bs, mine, base, trials):
                 self._skip(tid, "duplicate")
                 continue
-            if self._over(bs, mine.number, mine.user_attrs.get("phase", phase)):
+            if self._over(bs, mine.number, mine.user_attrs.get("phase", phase), trials):
                 self._skip(tid, "budget")
                 return Grant(OVER)
             self._own(tid, mine.number, bs)
@@ -520,11 +525,19 @@ class StudyScheduler(Scheduler):
             return Grant(RUN, token=tid)
         return Grant(PENDING)
 
-    def _trials_of(self, bs) -> list:
+    def _trials(self, fresh: bool):
+        """The study's trials: read again when ``fresh`` or older than ``poll_s`` (a worker
+        asking about many configs another worker holds reads the study once per poll)."""
+        now = time.monotonic()
+        if fresh or self._seen is None or now - self._seen[0] > self.poll_s:
+            self._seen = (now, self.study.get_trials(deepcopy=False))
+        return self._seen[1]
+
+    def _trials_of(self, bs, trials) -> list:
         """The trials of ``bs``; WAITING copies of a trial that was finished (a row, a skip)
         when its worker died are closed on the way."""
         out = []
-        for t in self.study.get_trials(deepcopy=False):
+        for t in trials:
             if _bs_of(t) != bs:
                 continue
             out.append(t)
@@ -547,21 +560,21 @@ class StudyScheduler(Scheduler):
         except self.optuna.exceptions.UpdateFinishedTrialError:
             return False
 
-    def _lost_race(self, bs, mine, base: int) -> bool:
+    def _lost_race(self, bs, mine, base: int, trials) -> bool:
         """Whether another trial answers for ``bs``: one with a row, or RUNNING with a lower
         number than ``mine`` (every worker decides by the same order)."""
         TS = self.optuna.trial.TrialState
         return any(t._trial_id != mine._trial_id and t.number > base and not t.user_attrs.get("skipped")
                    and ("row" in t.user_attrs or (t.state == TS.RUNNING and t.number < mine.number))
-                   for t in self._trials_of(bs))
+                   for t in trials if _bs_of(t) == bs)
 
-    def _over(self, bs, number: int, phase: str) -> bool:
+    def _over(self, bs, number: int, phase: str, trials) -> bool:
         """Whether the study's budget (head and strategy configs: ``--budget``; climb:
         ``--refine``) was spent by other configs' trials before trial ``number``."""
         if phase not in ("budget", "climb"):
             return False             # the heuristic, replays and seeds are always asked
         group, cap = (("climb",), self.spec.refine) if phase == "climb" else (("head", "budget"), self.spec.budget)
-        seen = {_bs_of(t) for t in self.study.get_trials(deepcopy=False)
+        seen = {_bs_of(t) for t in trials
                 if t.number < number and t.user_attrs.get("phase") in group and not t.user_attrs.get("skipped")}
         seen.discard(bs)
         return len(seen) >= cap

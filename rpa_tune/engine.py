@@ -26,7 +26,7 @@ from . import prefilter, provenance
 from .evaluators import base, evaluator_version
 from .evaluators.base import EvalResult, Task
 from .pool import WorkerPool
-from .schedulers import DONE, OVER, PENDING, RUN, LocalScheduler, Scheduler
+from .schedulers import OVER, PENDING, RUN, LocalScheduler, Scheduler
 from .search import SEEDED, make_search
 from .space import CaseSpace, context, enumerate_space
 from .store import ResultStore, config_id, row_block_sizes

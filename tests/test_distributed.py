@@ -94,6 +94,19 @@ def run(args, env, timeout=180):
     return subprocess.run([RPA_TUNE, *args], capture_output=True, text=True, env=env, timeout=timeout)
 
 
+def run_two_workers(args, tmp_path: Path, prefix: str, res: str, delay: str) -> tuple[list[str], list[str]]:
+    """Start two workers of ``args`` together (results ``{res}1``/``{res}2``, logs
+    ``{prefix}1``/``{prefix}2``), wait for both to succeed: (their stdouts, the configs they evaluated)."""
+    ps = [start(args + ["--results", str(tmp_path / f"{res}{i}")],
+                env_for(tmp_path, f"{prefix}{i}", RPA_TUNE_FAKE_DELAY=delay), f"{prefix}{i}", tmp_path) for i in (1, 2)]
+    outs = []
+    for i, p in enumerate(ps, 1):
+        rc, out, err = finish(p, f"{prefix}{i}", tmp_path)
+        assert rc == 0, err[-3000:]
+        outs.append(out)
+    return outs, logged(tmp_path, f"{prefix}1") + logged(tmp_path, f"{prefix}2")
+
+
 def logged(tmp_path: Path, name: str) -> list[str]:
     f = tmp_path / f"{name}.log"
     return f.read_text().split() if f.exists() else []
@@ -115,13 +128,9 @@ def test_two_workers_share_one_sweep(kind, tmp_path, request):
     are the space; the storage holds the same rows; status and export read them."""
     url = storage_url(kind, tmp_path, request)
     args = SWEEP + ["--case", "decode", "--budget", "100", "--search", "grid", "--jobs", "1", "--storage", url]
-    ps = [start(args + ["--results", str(tmp_path / f"res{i}")], env_for(tmp_path, f"w{i}", RPA_TUNE_FAKE_DELAY="0.3"),
-                f"w{i}", tmp_path) for i in (1, 2)]
-    for i, p in enumerate(ps, 1):
-        rc, out, err = finish(p, f"w{i}", tmp_path)
-        assert rc == 0, err[-3000:]
+    outs, evaluated = run_two_workers(args, tmp_path, "w", "res", "0.3")
+    for out in outs:
         assert "29 of 29 configs done by 2 worker(s)" in out, out[-2000:]
-    evaluated = logged(tmp_path, "w1") + logged(tmp_path, "w2")
     want = planned_labels()
     assert len(want) == 29
     assert sorted(evaluated) == sorted(want), "every config evaluated exactly once across the workers"
@@ -235,12 +244,7 @@ def test_tpe_with_a_budget_two_workers_never_evaluate_a_config_twice(tmp_path):
     url = str(tmp_path / "tpe.journal")
     args = SWEEP + ["--case", "prefill", "--search", "tpe", "--budget", "8", "--patience", "0", "--jobs", "1",
                     "--storage", url]
-    ps = [start(args + ["--results", str(tmp_path / f"r{i}")], env_for(tmp_path, f"t{i}", RPA_TUNE_FAKE_DELAY="0.2"),
-                f"t{i}", tmp_path) for i in (1, 2)]
-    for i, p in enumerate(ps, 1):
-        rc, out, err = finish(p, f"t{i}", tmp_path)
-        assert rc == 0, err[-3000:]
-    evaluated = logged(tmp_path, "t1") + logged(tmp_path, "t2")
+    _, evaluated = run_two_workers(args, tmp_path, "t", "r", "0.2")
     assert len(evaluated) == len(set(evaluated)) == 8, evaluated
     assert set(evaluated) <= planned_labels("prefill") and len(planned_labels("prefill")) > 8
 
@@ -489,12 +493,8 @@ def test_retry_with_a_storage_evaluates_each_such_config_again_once(kind, tmp_pa
     assert first.returncode == 0, first.stderr[-3000:]
     assert sorted(logged(tmp_path, "first")) == sorted(planned_labels())
     retry = args + ["--retry", "vmem_oom"]
-    ps = [start(retry + ["--results", str(tmp_path / f"r{i}")], env_for(tmp_path, f"w{i}", RPA_TUNE_FAKE_DELAY="0.3"),
-                f"w{i}", tmp_path) for i in (1, 2)]
-    for i, p in enumerate(ps, 1):
-        rc, out, err = finish(p, f"w{i}", tmp_path)
-        assert rc == 0, err[-3000:]
-    assert sorted(logged(tmp_path, "w1") + logged(tmp_path, "w2")) == sorted(oom), "each oom config once"
+    _, evaluated = run_two_workers(retry, tmp_path, "w", "r", "0.3")
+    assert sorted(evaluated) == sorted(oom), "each oom config once"
     st = json.loads(run(["status", "--storage", url, "--json"], env_for(tmp_path, "s")).stdout)[0]
     assert (st["done"], st["counts"]) == (29, {"ok": 29})
     third = run(retry + ["--results", str(tmp_path / "r3")], env_for(tmp_path, "w3"))
@@ -547,12 +547,7 @@ def test_refine_with_two_workers_climbs_from_the_best_of_both(tmp_path):
     url = f"sqlite:///{tmp_path / 'study.db'}"
     args = SWEEP + ["--case", "decode", "--search", "random", "--budget", "5", "--refine", "40", "--jobs", "1",
                     "--storage", url]
-    ps = [start(args + ["--results", str(tmp_path / f"r{i}")], env_for(tmp_path, f"w{i}", RPA_TUNE_FAKE_DELAY="0.2"),
-                f"w{i}", tmp_path) for i in (1, 2)]
-    for i, p in enumerate(ps, 1):
-        rc, out, err = finish(p, f"w{i}", tmp_path)
-        assert rc == 0, err[-3000:]
-    evaluated = logged(tmp_path, "w1") + logged(tmp_path, "w2")
+    _, evaluated = run_two_workers(args, tmp_path, "w", "r", "0.2")
     assert len(evaluated) == len(set(evaluated)), evaluated
     rows = rows_from_storage(url)
     done = {_cfg(r): r["metric"] for r in rows}
@@ -560,11 +555,14 @@ def test_refine_with_two_workers_climbs_from_the_best_of_both(tmp_path):
     best = min(done, key=done.get)
     nbs = neighbours(BlockSizes(*best), plan_sweep(make_spec()).candidates)
     assert nbs and all(tuple(nb) in done and done[tuple(nb)] >= done[best] for nb in nbs)
-    import optuna
     from rpa_tune.distributed import open_storage, rpa_studies
     st = open_storage(url)
     (s,) = rpa_studies(st)
-    trials = [t for t in st.get_all_trials(s._study_id) if not t.user_attrs.get("skipped")]
-    phase = collections.Counter(t.user_attrs.get("phase") for t in trials)
-    assert phase["head"] + phase["budget"] == 5 and phase["climb"] >= 1, phase
-    assert len(trials) == len(evaluated) and st.get_all_trials(s._study_id)[0].user_attrs["phase"] == "head"
+    trials = st.get_all_trials(s._study_id)
+    assert not [t for t in trials if t.state.name in ("WAITING", "RUNNING")], "no trial left open"
+    phase = collections.defaultdict(set)
+    for t in trials:
+        if "row" in t.user_attrs:
+            phase[t.user_attrs["phase"]].add(tuple(t.params.values()))
+    assert len(phase["head"] | phase["budget"]) == 5 and phase["climb"], phase
+    assert sum(map(len, phase.values())) == len(evaluated) and trials[0].user_attrs["phase"] == "head"

@@ -184,3 +184,29 @@ def test_refine_climbs_when_patience_runs_out_instead_of_stopping():
     s = make_search("tpe", PREFILL, budget=200, seed=0, patience=6, refine=5)
     asked = drive(s, 1000, objective=obj)
     assert len(asked) == 7 + 5 and "no improvement" not in s.stop_reason
+
+
+@pytest.mark.parametrize("kind", ["tpe", "random"])
+def test_each_ask_names_its_phase_and_a_spent_budget_moves_on_to_the_climb(kind):
+    """``phase``: the heuristic and a replayed pick are the head, a seed is a seed, then the
+    strategy's proposals (budget) and the climb's. ``spend`` (a shared study's budget used by
+    other workers): the config is dropped, proposals end, and with ``refine`` the climb
+    starts from the best told so far; without it the search stops, saying why."""
+    from rpa_tune.search import neighbours
+    first, replay, seed = PREFILL[3], PREFILL[11], PREFILL[40]
+    s = make_search(kind, PREFILL, budget=12, seed=2, first=first, replay=[replay], seeds=[seed], refine=5)
+    asked = drive(s, 3)
+    assert asked == [first, replay, seed]
+    assert [s.phase(b) for b in asked] == ["head", "head", "seed"]
+    proposed = s.ask()
+    assert s.phase(proposed) == "budget"
+    s.spend(proposed)                                 # the study's budget is spent: not evaluated
+    nxt = s.ask()
+    best = min(asked, key=fake_metric)
+    assert s.phase(nxt) == "climb" and nxt in neighbours(best, set(PREFILL))
+    s.spend(nxt)                                      # the study's climb is spent too
+    assert s.ask() is None
+    plain = make_search(kind, PREFILL, budget=12, seed=2, first=first)
+    drive(plain, 1)
+    plain.spend(plain.ask())
+    assert plain.ask() is None and "budget of 12 evaluations reached" in plain.stop_reason
