@@ -19,9 +19,9 @@ tables hold it.
   median 2048) at every bucket; prefill up to eight 1024-token chunks, as many as fill the
   bucket (one chunk of the bucket below 1024); mixed one chunked-prefill step that fills
   the bucket, prefill chunks of at most 1024 tokens beside extends, spec-decode and decode
-  sequences (``rpa_tune.workloads.mixed_workload``; until 2026-11-29 one chunk of at most
-  512 tokens, the same 640-token step from bucket 2048 on). A bucket whose workload an
-  explore bucket already prices is filled, not explored (``bucket_roles``).
+  sequences (``rpa_tune.workloads.mixed_workload``; the steps it no longer prices:
+  ``RETIRED_SWEEP_WORKLOADS``). A bucket whose workload an explore bucket already prices is
+  filled, not explored (``bucket_roles``).
 """
 from __future__ import annotations
 
@@ -102,12 +102,10 @@ SHAPES: tuple[Shape, ...] = (
 # What the shipped tables hold: (generation, shape name, case) of the plan whose every page
 # size and bucket has a current entry, tuned for this kernel source and not on a retired
 # sweep workload (``on_retired_workload``; ``tests/test_tables_shipped.py`` asserts it from
-# the files; ``rpa-tune report``'s coverage matrix shows the rest). Since 2026-12-01 it is
-# every triple an estimate can cover (``plan(estimable_only=True)``, TPU7x decode included):
-# the tables cover the matrix but what needs a device, and a shape added to ``SHAPES`` is
-# claimed, failing that test, until its tables ship. It was a growing list before (mixed
-# left it on 2026-11-29, when its sweep step came to fill the bucket, and came back whole on
-# 2026-11-30).
+# the files; ``rpa-tune report``'s coverage matrix shows the rest). It is every triple an
+# estimate can cover (``plan(estimable_only=True)``, TPU7x decode included): the tables
+# cover the matrix but what needs a device, and a shape added to ``SHAPES`` is claimed,
+# failing that test, until its tables ship.
 COMPLETE: tuple[tuple[str, str, str], ...] = tuple(
     (g, s.name, c) for g in ESTIMABLE for s in SHAPES for c in CASES if not needs_a_device(g, c))
 
@@ -136,8 +134,8 @@ def sweep_workload_id(case: str, page_size: int, bucket: int) -> str:
 
 
 # (case, token bucket) -> the workload_ids the plan's sweep priced there before and no longer
-# does: mixed until 2026-11-29, one chunk of a quarter of the bucket, at most 512 tokens
-# (``workloads.mixed_workload``). Bucket 128's step is unchanged.
+# does: mixed steps of one chunk of a quarter of the bucket, at most 512 tokens
+# (``workloads.mixed_workload`` fills the bucket instead). Bucket 128's step is the same.
 RETIRED_SWEEP_WORKLOADS: dict[tuple[str, int], tuple[str, ...]] = {
     ("mixed", 256): ("842075d70dd9",), ("mixed", 512): ("198b794248a1",), ("mixed", 1024): ("fc879d2cbea2",),
     **{("mixed", t): ("e2834d4ff7e2",) for t in (2048, 4096, 8192)}}

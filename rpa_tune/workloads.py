@@ -144,9 +144,7 @@ def mixed_workload(limits: ServingLimits, *, context: str = "lognormal:2048:0.8"
     bucket's kernel runs hold more than half its tokens; and tpu-inference's runner (its
     data-parallel path at least) sends every sequence of more than one query token to the
     mixed case (request distribution (decodes, decodes, all)), so at large buckets mixed is
-    mostly prefill. Until 2026-11-29 the step
-    had one chunk of a quarter of the bucket, at most 512 tokens: 640 tokens at every
-    bucket from 2048 on. Each chunk starts at a chunk boundary of its sequence."""
+    mostly prefill. Each chunk starts at a chunk boundary of its sequence."""
     rng = np.random.default_rng([seed, 3])
     T, S, L = limits.max_num_tokens, limits.max_num_seqs, limits.max_model_len
     small = [(2, int(rng.integers(16, 65))), (8, 4), (16, 1)]   # (count, q_len): extend, spec-decode, decode

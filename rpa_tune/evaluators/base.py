@@ -176,8 +176,8 @@ def initial_vmem_limit(predicted_bytes: int, capacity: int) -> int:
 def raised_vmem_limit(reported_bytes: int, current_limit: int, capacity: int) -> int | None:
     """A larger limit to retry with after a scoped-limit OOM that reported
     ``reported_bytes``: 5% + 1 MiB headroom, MiB-aligned, at most the chip's capacity
-    (measured here: the compiler accepts limits up to the capacity and fails with
-    "Ran out of memory in memory space vmem" only when the kernel's own use exceeds it).
+    (the compiler accepts limits up to the capacity and fails with "Ran out of memory in
+    memory space vmem" only when the kernel's own use exceeds it).
     None when no larger limit can help."""
     want = min(_with_headroom(reported_bytes), int(capacity))
     return want if want > current_limit and reported_bytes <= capacity else None
@@ -195,12 +195,11 @@ def lowered_vmem_limit(scoped_bytes: int, capacity: int) -> int | None:
     kernel's scratch and spill slots, ``profiler.scoped_allocation_bytes``) + 1%,
     MiB-aligned: the least limit they fit in.
 
-    Measured (TPU7x, head_dim 256 decode at (1, 1024, 1, 1024); v6e, head_dim 256 prefill
-    at (256, 1024, 128, 512)): the plain compile fits at the kernel's default limit, while
-    with the profiler on the program needs the scoped limit plus the scoped allocations
-    plus about 10 MiB (TPU7x: 26.3 MiB of scoped allocations; 68.4 MiB of 63.9 at the
-    default 32 MiB limit, 74.6 at 38 MiB; fits at 27 MiB, not at 29). None when the
-    smaller limit would not be below capacity."""
+    A plain compile can fit at the kernel's default limit while, with the profiler on,
+    the program needs the scoped limit plus the scoped allocations plus its "HLO temp"
+    (docs/estimator.md, "Lowering deviceless"; figures in notebook.md), so a smaller limit
+    can fit where the default does not. None when the smaller limit would not be below
+    capacity."""
     mib = 1 << 20
     want = -(-int(scoped_bytes * 1.01) // mib) * mib
     return want if 0 < scoped_bytes and want < capacity else None

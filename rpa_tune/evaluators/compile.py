@@ -21,7 +21,7 @@ Per config:
    config's smallest probe is compiled without the profiler in this worker to still get the
    VMEM verdict (``_verdict_task``).
 5. A profiled program needs more VMEM than the same program compiled plainly (the
-   profiler's "HLO temp", tens of MiB on TPU7x: docs/estimator.md). When the profiled
+   profiler's "HLO temp": docs/estimator.md, "Lowering deviceless"). When the profiled
    probes still run out of the chip's VMEM after the limit retries, the plain compile of
    the config's smallest probe decides (it is the VMEM judge); if it fits, the probes are
    profiled again with libtpu's VMEM size override (``VMEM_OVERRIDE_FLAG``, twice the
@@ -220,9 +220,8 @@ def _verdict_task(task: Task) -> Task:
     """``task`` with the config's smallest probe for its workload, unless the task's own is
     smaller: what a plain compile for the VMEM verdict compiles (steps 4 and 5 of the module
     doc). The task's own workload gives the same verdict but its program is the token
-    bucket's, not a probe's: the plain compiles after a profiler crash took 6,152 of the
-    9,045 s the 47 crashed rows of tables/results cost, up to 590 s for one StarCoder v5e
-    prefill config at bucket 8192."""
+    bucket's, not a probe's, and at a large bucket costs far more to compile (figures in
+    notebook.md)."""
     import dataclasses
     from rpa_tune.estimator import compose
     skip = get_generation(task.generation).skip_dead_chunks
