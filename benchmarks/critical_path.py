@@ -101,7 +101,7 @@ def main(argv=None) -> int:
     if a.keep:
         os.makedirs(a.keep, exist_ok=True)
         return _run(a, w, bs, model, a.keep)
-    # libtpu's logs and dumps run to 100 MB per compile (rpa_tune.estimator.profiler)
+    # libtpu's logs and dumps are large (rpa_tune.estimator.profiler): a temporary folder
     with tempfile.TemporaryDirectory(prefix="rpa_critical_path_") as out:
         return _run(a, w, bs, model, out)
 

@@ -10,10 +10,8 @@ whole with the static profiler on: the composed cycles against the whole compile
   two extends, spec-decode and decode steps over 0.7-3.8 k cached tokens each), each like
   sequence's KV length one more than the one before ("unlike"): the analysis program
   runs like sequences in a row as one loop, which serving does not have
-  (``kernel.analysis``), and its cycles for them are not serving's (16 decode steps of
-  the bucket-256 batch, v5p Llama-3-70B TP8 (128, 512, 16, 256): 256,739 cycles with
-  like runs, 232,982 unlike; composed 234,094). The bucket-256 step fills its bucket
-  since 2026-11-29 (a 128-token chunk; benchmarks/README.md's figures had one of 64).
+  (``kernel.analysis``), and its cycles for them are not serving's (figures in
+  notebook.md). The bucket-256 step fills its bucket (a 128-token chunk).
 * mixed-filled: the steps that fill buckets 2048 and 4096 (28 and 30 sequences: prefill
   chunks of at most 1024 tokens beside the extends, spec-decode and decode sequences),
   like sequences made unlike as above.

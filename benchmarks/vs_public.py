@@ -18,18 +18,17 @@ pieces by a rule stated here and checked where a whole compile fits):
 
 * decode, n identical sequences: whole compiles of a = 8 and b = 16 sequences (ours' decode
   groups of bq sequences per step: of 8 and 16 groups, a = 8 bq and b = 16 bq sequences;
-  from 8 and 16 sequences, a group of 8 was one static body against a loop of two, and
-  v5e 128 x 128 at (8, 128, 8, 128) extrapolated to 85k cycles against 123k compiled
-  whole), extrapolated linearly in n (``c(n) = c_a + (n - a) (c_b - c_a) / (b - a)``).
+  from 8 and 16 sequences, a group of 8 would be one static body against a loop of two,
+  and the extrapolation far off), extrapolated linearly in n
+  (``c(n) = c_a + (n - a) (c_b - c_a) / (b - a)``).
   Checked against whole 128-sequence compiles in the ``--check`` rows.
 * causal prefill, one sequence of L tokens: a whole compile for L <= 1024; longer ones
   from whole compiles of 256, 512 and 1024 tokens, fitted as ``a + b (q blocks) + c (KV
   steps)`` (the items of a causal sequence, ``causal_items``) and extrapolated. Checked
   against the public kernel's whole 2K compile in ``--check`` (ours does not fit in memory
-  whole at 2K). A first rule, the sum of q blocks each compiled as a chunk after the
-  earlier tokens, was dropped: at 1K it gave 1.55x our whole compile and 0.93x the
-  public kernel's (ours computes every chunk of a KV step, and a chunk's cached context
-  adds steps a whole sequence does not have).
+  whole at 2K). The sum of q blocks each compiled as a chunk after the earlier tokens is
+  not a rule for either kernel: ours computes every chunk of a KV step, and a chunk's
+  cached context adds steps a whole sequence does not have.
 * the mixed step: one whole compile.
 
 What differs between the two programs: the public kernel is lowered with its KV-cache
@@ -109,8 +108,8 @@ SHORT_DECODE_LENS = (128, 256)
 SHORT_DECODE_CANDIDATES = [BlockSizes(1, 128, 1, 128), BlockSizes(1, 256, 1, 256), BlockSizes(1, 512, 1, 512)]
 # Ours only: decode with bq = cq > 1 sequences per KV step (kernel/rpa.py compute_group), a
 # dimension the public kernel does not have (its decode q block is one sequence's tokens).
-# Added where it can pay off (short blocks; at 2K it measured even: v6e 16 x 2048 at
-# (2, 2048, 2, 1024) 129.8k against (1, 2048, 1, 1024) 129.6k estimated cycles).
+# Added where it can pay off (short blocks; at 2K a group estimates even with one sequence
+# per step).
 GROUP_CANDIDATES = {
     "short": [BlockSizes(b, n, b, n) for n in (128, 256) for b in (2, 4, 8)],
     512: [BlockSizes(b, 512, b, 512) for b in (2, 4)],
