@@ -5,7 +5,9 @@
 #      "estimate") into tables/results/. Rerunning resumes: a config already recorded for a
 #      key is not evaluated again, and a config's probe compiles are cached on disk
 #      (~/.cache/rpa-tune/probes) and shared by all token buckets of its key;
-#   2. compact the per-evaluation Parquet files into tables/results/results.parquet;
+#   2. compact the per-evaluation Parquet files into new append-only parts
+#      tables/results/compact-*.parquet (rpa_tune.store.compact: an existing part is never
+#      rewritten);
 #   3. rpa-tune export --results tables/results --out tables (REPLACE=1 adds --replace: the
 #      tables then hold only these results' keys).
 # Knobs (env): GENS="v6e tpu7x" SHAPES="llama3-8b,qwen3-32b-tp4" CASES="decode prefill"
@@ -23,8 +25,8 @@
 #   whose probe records it reads: rpa_tune/coverage.py shard), to split the matrix over N machines;
 #   run it with EXPORT=0 on each, then copy every machine's tables/results/part-*.parquet into one
 #   tables/results and run the last two steps there (docs/tables.md, "Regenerating").
-# Wall time on the 2-core, 24 GB machine the shipped tables came from: docs/tables.md
-# ("What is shipped").
+# Wall time: docs/tables.md ("Regenerating"); the recorded runs' wall times are in notebook.md
+# and, per sweep, in benchmarks/results/tables_generate_sweeps.log.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}
