@@ -1,7 +1,10 @@
 """The docs stay reference: the README a short front page with the two commands verbatim and
 no measured figures of its own, each docs page short, the history in one dated notebook, and
 every relative link (and the heading a link names) resolving."""
+import ast
+import io
 import re
+import tokenize
 import unicodedata
 from pathlib import Path
 
@@ -103,3 +106,41 @@ def test_headings_code_and_tests_name_exist():
         headings = [m.group(1) for m in re.finditer(r"^#{1,6} (.+)$", (REPO / page).read_text(), re.M)]
         for title in titles:
             assert any(h.replace("`", "").startswith(title) for h in headings), f"{page}: no heading {title!r}"
+
+
+ISO_DATE = re.compile(r"\b20\d\d-\d\d-\d\d\b")
+CODE_DIRS = ("kernel", "rpa_tune", "benchmarks")
+
+
+def prose(source):
+    """``(line, text)`` of every comment and every string statement (docstrings, and bare
+    strings standing as comments) of Python ``source``. String constants bound to a name are
+    data (e.g. ``rpa_tune.estimator.rejudge.NOTE``, recorded into re-judged rows with its
+    date) and are not prose."""
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if tok.type == tokenize.COMMENT:
+            yield tok.start[0], tok.string
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
+            yield node.lineno, node.value.value
+
+
+def test_prose_finds_comments_and_docstrings_not_data():
+    src = ('"""Module, 2026-01-02."""\n'
+           'X = "recorded 2026-01-03"  # set on 2026-01-04\n'
+           'def f():\n'
+           '    """Since 2026-01-05."""\n'
+           '    "a bare string 2026-01-06"\n'
+           '    return "2026-01-07"\n')
+    found = sorted(d for _, text in prose(src) for d in ISO_DATE.findall(text))
+    assert found == ["2026-01-02", "2026-01-04", "2026-01-05", "2026-01-06"]
+
+
+def test_no_dated_history_in_docstrings_or_comments():
+    """Docstrings and comments say what is true now; dated history and the figures of past
+    runs live in notebook.md (and the git log), benchmarks' figures in benchmarks/."""
+    files = sorted(f for d in CODE_DIRS for f in (REPO / d).rglob("*.py"))
+    assert len(files) > 50, "the source tree was not found"
+    dated = [f"{f.relative_to(REPO)}:{line}: {m}"
+             for f in files for line, text in prose(f.read_text()) for m in ISO_DATE.findall(text)]
+    assert not dated, "dated history belongs in notebook.md:\n" + "\n".join(dated)
