@@ -14,7 +14,7 @@ the workloads are kept to at most 16 decode sequences / one 1K prefill chunk.
 lowering, ``rpa_tune.estimator.public``; its records keyed by the package version).
 
 Full compiles and probe cycles are recorded in ``benchmarks/results/compose_check.jsonl``,
-keyed by the kernel's source hash (a rerun resumes; a kernel edit re-measures).
+keyed by the kernel's version id (a rerun resumes; a new kernel version re-measures).
 """
 from __future__ import annotations
 

@@ -172,8 +172,8 @@ def limits(page: int) -> ServingLimits:
 
 # --------------------------------------------------------------------------- pieces
 def _version(kernel: str) -> str:
-    """What a cached piece depends on besides its workload: our kernel's source hash (the
-    files that shape an estimate), or the pinned public package's version."""
+    """What a cached piece depends on besides its workload: our kernel's version id
+    (``rpa_tune.provenance.kernel_hash``), or the pinned public package's version."""
     if kernel == "ours":
         return kernel_hash()
     from rpa_tune.public_kernel import installed_version

@@ -13,7 +13,7 @@ Definitions (RPA paper, section 4):
 * MBU = (bytes / time) / peak HBM bandwidth. MFU, as the paper defines it (section
   4.2.1), = (FLOPs / time) / (peak bf16 FLOP/s x the largest MXU utilisation the
   head_dim allows, min(1, head_dim / MXU width)): 50 % of the plain peak for head_dim 128
-  on 256-wide MXUs, which is how it can report 73 %. This module only counts the work;
+  on 256-wide MXUs, which is how the paper can report an MFU of 73 %. This module only counts the work;
   ``rpa_tune.estimator.audit.time_model`` reports both that MFU and the plain-peak one.
 
 Turning profiler cycles into a time (the calibrated clock, the roofline and the audit)

@@ -8,7 +8,8 @@ fetches, and the ``ckv`` chunks each step computes: the chunks holding a visible
 (decode always; prefill / mixed where the generation skips dead chunks,
 ``TpuGeneration.skip_dead_chunks``), else every chunk of the step, masked. It mirrors
 ``qblock_steps`` / ``fetch_kv`` / ``compute_step`` in ``kernel/rpa.py`` line for line;
-``tests/test_estimator_compose.py`` checks it against the DMAs in libtpu's simulated trace.
+``tests/test_estimator.py`` (``test_step_plan_matches_the_page_dmas_in_the_trace``) checks it
+against the DMAs in libtpu's simulated trace.
 The estimator counts its features to compose a workload's cost from probe compiles.
 """
 from __future__ import annotations

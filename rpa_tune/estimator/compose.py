@@ -172,8 +172,8 @@ def composition_error(case: Case | str, bs: BlockSizes, evaluator_version: str |
     "compile-5") has been measured below whole compiles, as a fraction
     (``PREFILL_UNDERPRICED``; 0 where none was, and for prefill priced with the long-walk
     probe). Its true estimate is then up to ``1 / (1 - error)`` times the composed one:
-    ``rpa-tune export`` promotes such a config only if it beats the heuristic (composed
-    within 0.4 %) even so."""
+    ``rpa-tune export`` promotes such a config only if it beats the heuristic (bq 128 or
+    more, composed about right: benchmarks/README.md, "Small q blocks") even so."""
     if Case.parse(case) != Case.PREFILL:
         return 0.0
     m = re.match(r"compile-(\d+)(\+|$)", str(evaluator_version or ""))   # "compile-7", "compile-7+v5p1"

@@ -223,10 +223,11 @@ def profile(builder: str, request: dict, *, timeout: float | None = 600, rss_cap
             fast_forward: bool = False, cancel=None, program_cache: str | None = None) -> dict:
     """Compile ``builder(**request)`` in a child with the static profiler on (see module doc).
 
-    ``expect_kernel_hash``: the kernel source hash the caller records the result under. The
-    child imports the kernel afresh, so an edit to its files while a benchmark runs would
-    otherwise be measured and recorded under the old hash; a child that saw another
-    source returns ``environment: "source_changed"`` (not the config's result).
+    ``expect_kernel_hash``: the kernel id (``rpa_tune.provenance.kernel_hash``) the caller
+    records the result under. The child imports the kernel afresh, so a new kernel version
+    installed while a benchmark runs would otherwise be measured and recorded under the old
+    id; a child that saw another id returns ``environment: "source_changed"`` (not the
+    config's result).
 
     ``cancel``: a ``threading.Event``; once it is set the child is killed and the result is
     ``status: "cancelled"`` (a config's other probe failed: this one is no longer needed).
@@ -298,7 +299,7 @@ def _died(returncode, stderr: str, peak: int) -> dict:
 
 def _checked(result: dict, expect_kernel_hash: str | None) -> dict:
     """``result``, or a ``source_changed`` crash when the child compiled another kernel
-    source than the caller records the result under."""
+    (another ``kernel_hash`` id) than the caller records the result under."""
     peak = result.get("max_rss_bytes", 0)
     seen = result.get("kernel_hash")
     if expect_kernel_hash and seen and seen != expect_kernel_hash:
