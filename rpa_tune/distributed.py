@@ -493,30 +493,29 @@ class StudyScheduler(Scheduler):
             if rows or any(t.state == TS.RUNNING for t in live):
                 for t in live:          # another trial answers for it: close a copy made at the same time
                     if t.state == TS.WAITING and self._take(t._trial_id):
-                        self._skip(t._trial_id, "duplicate")
+                        self._skip(t._trial_id, "duplicate", t.number)
                 return Grant(DONE, row=_row_from_json(rows[0].user_attrs["row"])) if rows else Grant(PENDING)
             waiting = sorted((t for t in live if t.state == TS.WAITING), key=lambda t: t.number)
             if not waiting:
                 if sum(t.state == TS.FAIL for t in live) > MAX_RETRY:
                     return Grant(DONE)          # every worker that took it died: given up
-                self._create(bs, phase)
-                continue
+                waiting = [self._create(bs, phase)]
             mine = None
             for t in waiting:
                 if self._take(t._trial_id):
                     if mine is None:
                         mine = t
                     else:
-                        self._skip(t._trial_id, "duplicate")
+                        self._skip(t._trial_id, "duplicate", t.number)
             if mine is None:
                 continue
             tid = mine._trial_id
             trials = self._trials(fresh=True)
             if self._lost_race(bs, mine, base, trials):
-                self._skip(tid, "duplicate")
+                self._skip(tid, "duplicate", mine.number)
                 continue
             if self._over(bs, mine.number, mine.user_attrs.get("phase", phase), trials):
-                self._skip(tid, "budget")
+                self._skip(tid, "budget", mine.number)
                 return Grant(OVER)
             self._own(tid, mine.number, bs)
             if prev is not None and not redo:     # in this worker's results already
@@ -546,11 +545,13 @@ class StudyScheduler(Scheduler):
                 self._tell(t.number, _row_from_json(t.user_attrs["row"]) if "row" in t.user_attrs else None)
         return out
 
-    def _create(self, bs, phase: str) -> None:
+    def _create(self, bs, phase: str):
+        """A new WAITING trial of ``bs`` (its phase recorded: ``_over``)."""
         optuna = self.optuna
-        self.storage.create_new_trial(self.study._study_id, template_trial=optuna.trial.create_trial(
+        tid = self.storage.create_new_trial(self.study._study_id, template_trial=optuna.trial.create_trial(
             state=optuna.trial.TrialState.WAITING, params={k: int(v) for k, v in bs._asdict().items()},
             distributions=self.dists, user_attrs={"phase": phase}))
+        return self.storage.get_trial(tid)
 
     def _take(self, tid: int) -> bool:
         """WAITING -> RUNNING through the storage (atomic: a row lock in PostgreSQL, an
@@ -587,10 +588,10 @@ class StudyScheduler(Scheduler):
         self.storage.set_trial_user_attr(tid, "worker", self.worker)
         self.storage.set_trial_user_attr(tid, "owned", tid)
 
-    def _skip(self, tid: int, why: str) -> None:
+    def _skip(self, tid: int, why: str, number: int) -> None:
         self.storage.set_trial_user_attr(tid, "skipped", why)
         self.storage.set_trial_user_attr(tid, "worker", self.worker)
-        self.study.tell(self.storage.get_trial(tid).number, state=self.optuna.trial.TrialState.PRUNED)
+        self.study.tell(number, state=self.optuna.trial.TrialState.PRUNED)
 
     def _tell(self, number: int, row: dict | None) -> None:
         """Log metric for an ok row, PRUNED otherwise."""

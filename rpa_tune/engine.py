@@ -32,8 +32,6 @@ from .space import CaseSpace, context, enumerate_space
 from .store import ResultStore, config_id, row_block_sizes
 from .workloads import workload_id
 
-__all__ = ["WorkerPool", "run_sweep", "plan_sweep", "sweep_context", "make_row", "make_task", "SweepSpec"]
-
 
 # ============================================================================= sweeps
 def problem_key(tpu: str, case: Case | str, model: ModelShape, limits: ServingLimits, *,
@@ -150,7 +148,7 @@ class Outcome:
     plan: Plan
     counts: dict
     evaluated: int = 0            # new evaluations this run
-    resumed: int = 0              # configs found in the store
+    resumed: int = 0              # configs recorded already (in the store, or by another worker)
     best: dict | None = None      # best ok row
     heuristic_row: dict | None = None
     interrupted: bool = False

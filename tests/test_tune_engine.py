@@ -320,3 +320,46 @@ def test_seeds_rank_each_batch_of_another_bucket_apart():
     seeds = sibling_configs(s, ctx, {str(i): r for i, r in enumerate(rows)})
     assert set(seeds) == set(old[:2]) | set(new[:2]) | {later}
     assert seeds[:2] == old[:2]                                   # best metric first, as before
+
+
+def test_the_loop_waits_for_a_config_another_worker_holds_and_stops_at_a_spent_budget(fake, tmp_path):
+    """The one loop with a scheduler that is not this process alone (``schedulers``): a config
+    granted PENDING is evaluated elsewhere, asked about again until its row comes, and told
+    to the search, never evaluated here; a config granted OVER (the shared budget spent)
+    ends the proposals; each row evaluated here is recorded with the scheduler before the
+    store, and the grant's token comes back with it."""
+    from rpa_tune.schedulers import DONE, OVER, PENDING, RUN, Grant, LocalScheduler
+    s = spec(budget=8, jobs=1)
+    plan = plan_sweep(s)                      # grid: the heuristic, then the candidates in order
+    order = [plan.heuristic] + [c for c in plan.candidates if c != plan.heuristic]
+    elsewhere, over = order[2], order[5]
+
+    class Shared(LocalScheduler):
+        shared, poll_s = True, 0.05
+
+        def __init__(self):
+            self.asks, self.recorded = [], []
+
+        def acquire(self, bs, cid, prev, redo, phase):
+            self.asks.append(bs)
+            if bs == elsewhere:
+                done = self.asks.count(bs) >= 3
+                return Grant(DONE, row=dict(self.recorded[0], config_id="other", metric=1e-9, bq=bs.bq, bkv=bs.bkv,
+                                            cq=bs.cq, ckv=bs.ckv, is_heuristic=False)) if done else Grant(PENDING)
+            if bs == over:
+                return Grant(OVER)
+            return Grant(RUN, token=bs.label())
+
+        def record(self, token, row):
+            assert token == BlockSizes(row["bq"], row["bkv"], row["cq"], row["ckv"]).label()
+            assert row["config_id"] not in ResultStore(tmp_path / "res").recorded(), "the scheduler first"
+            self.recorded.append(row)
+    sched = Shared()
+    o = run_sweep(s, ResultStore(tmp_path / "res"), scheduler=sched)
+    here = [b.label() for b in order[:5] if b != elsewhere]
+    assert evaluated(fake) == here, "evaluated here: what was granted RUN, up to the spent budget"
+    assert sched.asks.count(elsewhere) == 3 and sched.asks.count(over) == 1 and order[6] not in sched.asks
+    assert o.evaluated == 4 and o.resumed == 1 and o.best["config_id"] == "other"
+    assert "budget of 8 evaluations reached" in o.stop_reason
+    assert [r["config_id"] for r in sched.recorded] == list(ResultStore(tmp_path / "res").read().sort_values(
+        "timestamp").config_id)
