@@ -106,7 +106,8 @@ def sweep(
                                "or halved, or bq with cq and bkv with ckv) while one beats it, at most this many "
                                "more (0: no climb)."),
     seeds: int = typer.Option(0, "--seeds", min=0, help="--buckets with the compile backend: each bucket's "
-                              "search first evaluates what the other buckets of the key evaluated ok; only "
+                              "search first evaluates what the other buckets of the key evaluated ok (in "
+                              "--results, and with --storage in the storage's studies); only "
                               "the N best of each other bucket, per batch and evaluator version priced there (0: all "
                               "of them)."),
     jobs: int = typer.Option(2, "--jobs", "-j", min=1, help="Parallel evaluations (worker processes); with the "
@@ -126,7 +127,8 @@ def sweep(
     storage: Optional[str] = typer.Option(None, "--storage", help="Share the sweep with every worker started with "
                                           "the same command and URL: postgresql://USER@HOST/DB (a fleet), "
                                           "sqlite:///PATH.db or PATH.journal (one machine). Configs are claimed "
-                                          "through Optuna's storage (none is evaluated twice); rows go to "
+                                          "through Optuna's storage (none is evaluated twice); --retry, "
+                                          "--seeds and --refine apply to the shared sweep; rows go to "
                                           "--results and to the storage. Default: this process alone.",
                                           show_default=False),
     heartbeat: float = typer.Option(10.0, "--heartbeat", min=1, help="--storage: seconds between a worker's "
