@@ -83,33 +83,3 @@ def fingerprint_status() -> str:
                 "(rpa-tune fingerprint --record)")
     return f"{rec['fingerprint']} (kernel {kprov.kernel_id()}, jax {_version('jax')}, {len(rec['programs'])} programs)"
 
-
-def canonical_rows(table):
-    """A results ``pyarrow.Table`` with legacy kernel source hashes read as the version ids
-    they stand for (``kernel.provenance.LEGACY_IDS``) in ``kernel_hash``,
-    ``kernel_source_hash`` and ``kernel_version``, and the resume ids (``config_id``) of
-    such rows computed again from the id, so a sweep of the same version resumes them."""
-    import pyarrow as pa
-    import pyarrow.compute as pc
-    if table.num_rows == 0 or "kernel_hash" not in table.column_names:
-        return table
-    legacy = pa.array(sorted(kprov.LEGACY_IDS))
-    hit = pc.is_in(table["kernel_hash"], value_set=legacy)
-    if not pc.any(hit).as_py() and not any(
-            c in table.column_names and pc.any(pc.is_in(table[c], value_set=legacy)).as_py()
-            for c in ("kernel_source_hash", "kernel_version")):
-        return table
-    from .store import config_id
-    for col in ("kernel_hash", "kernel_source_hash", "kernel_version"):
-        if col in table.column_names:
-            vals = [kprov.canonical_kernel_id(v) for v in table[col].to_pylist()]
-            table = table.set_column(table.column_names.index(col), col, pa.array(vals, pa.string()))
-    if "config_id" in table.column_names:
-        rows = table.select(["key_id", "workload_id", "bq", "bkv", "cq", "ckv", "backend", "kernel_hash",
-                             "evaluator_version", "config_id"]).to_pylist()
-        mask = hit.to_pylist()
-        ids = [config_id(r["key_id"], r["workload_id"], (r["bq"], r["bkv"], r["cq"], r["ckv"]), r["backend"],
-                         r["kernel_hash"], r["evaluator_version"]) if m else r["config_id"]
-               for r, m in zip(rows, mask)]
-        table = table.set_column(table.column_names.index("config_id"), "config_id", pa.array(ids, pa.string()))
-    return table

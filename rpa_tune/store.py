@@ -32,6 +32,9 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from kernel.config import BlockSizes
+from kernel.provenance import LEGACY_IDS, canonical_kernel_id
+
 SCHEMA_VERSION = 1
 
 KEY_COLUMNS = ("generation", "case", "q_dtype", "kv_dtype", "num_q_heads", "num_kv_heads", "head_dim",
@@ -74,9 +77,8 @@ def config_id(key_id: str, workload_id: str, bs, backend: str, kernel_hash: str,
     return hashlib.sha256(doc.encode()).hexdigest()[:20]
 
 
-def row_block_sizes(r) -> "BlockSizes":
+def row_block_sizes(r) -> BlockSizes:
     """The block sizes a results row evaluated."""
-    from kernel.config import BlockSizes
     return BlockSizes(*(int(r[c]) for c in ("bq", "bkv", "cq", "ckv")))
 
 
@@ -197,7 +199,6 @@ def read_results_table(paths) -> ResultsRead:
     skipped, named in ``damaged`` and logged as a warning; the other files are read."""
     files = result_files(paths)
     table, damaged = _read_files(files)
-    from .provenance import canonical_rows
     table = canonical_rows(table)      # legacy source hashes read as their kernel version
     return ResultsRead(table, files, damaged)
 
@@ -324,3 +325,32 @@ def _fsync_dir(path: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def canonical_rows(table):
+    """A results ``pyarrow.Table`` with legacy kernel source hashes read as the version ids
+    they stand for (``kernel.provenance.LEGACY_IDS``) in ``kernel_hash``,
+    ``kernel_source_hash`` and ``kernel_version``, and the resume ids (``config_id``) of
+    such rows computed again from the id, so a sweep of the same version resumes them."""
+    import pyarrow.compute as pc
+    if table.num_rows == 0 or "kernel_hash" not in table.column_names:
+        return table
+    legacy = pa.array(sorted(LEGACY_IDS))
+    hit = pc.is_in(table["kernel_hash"], value_set=legacy)
+    if not pc.any(hit).as_py() and not any(
+            c in table.column_names and pc.any(pc.is_in(table[c], value_set=legacy)).as_py()
+            for c in ("kernel_source_hash", "kernel_version")):
+        return table
+    for col in ("kernel_hash", "kernel_source_hash", "kernel_version"):
+        if col in table.column_names:
+            vals = [canonical_kernel_id(v) for v in table[col].to_pylist()]
+            table = table.set_column(table.column_names.index(col), col, pa.array(vals, pa.string()))
+    if "config_id" in table.column_names:
+        rows = table.select(["key_id", "workload_id", "bq", "bkv", "cq", "ckv", "backend", "kernel_hash",
+                             "evaluator_version", "config_id"]).to_pylist()
+        mask = hit.to_pylist()
+        ids = [config_id(r["key_id"], r["workload_id"], (r["bq"], r["bkv"], r["cq"], r["ckv"]), r["backend"],
+                         r["kernel_hash"], r["evaluator_version"]) if m else r["config_id"]
+               for r, m in zip(rows, mask)]
+        table = table.set_column(table.column_names.index("config_id"), "config_id", pa.array(ids, pa.string()))
+    return table

@@ -28,7 +28,7 @@ kernel: ``block_sizes_for`` returns its ``d/p/m_block_sizes`` arguments (overrid
 table -> bucket -> the kernel's own default). Our kernel never reads them.
 
 One module per concept: ``schema`` (Entry, Table, JSON, field validation, reading regular
-files), ``parquet`` (the mirror), ``env`` (environment variables), ``index`` (bucketing),
+files, the Parquet mirror), ``env`` (environment variables), ``index`` (bucketing),
 ``loading`` (which files, per-file and per-entry rejection), ``state`` (the process-wide
 tables and the memoised lookup); the kernel's version id is in ``kernel.provenance``. This
 package never imports ``rpa_tune``; Parquet support imports pyarrow lazily.
