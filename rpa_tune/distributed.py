@@ -511,6 +511,15 @@ class StudyScheduler(Scheduler):
                 continue
             tid = mine._trial_id
             trials = self._trials(fresh=True)
+            # a lower-numbered copy still WAITING would win over ours once someone took it:
+            # take it first (then it is ours, and closed), or find it held (then ours gives way)
+            lower = [t for t in trials if _bs_of(t) == bs and t.state == TS.WAITING and base < t.number < mine.number
+                     and not t.user_attrs.get("skipped")]
+            for t in lower:
+                if self._take(t._trial_id):
+                    self._skip(t._trial_id, "duplicate", t.number)
+            if lower:
+                trials = self._trials(fresh=True)
             if self._lost_race(bs, mine, base, trials):
                 self._skip(tid, "duplicate", mine.number)
                 continue

@@ -341,6 +341,28 @@ def test_two_workers_racing_over_every_config_evaluate_each_once(kind, tmp_path,
     assert len(rows) == len(cands), "one row per config"
 
 
+def test_a_trial_made_from_an_old_view_of_the_study_never_runs_a_config_twice(tmp_path, monkeypatch):
+    """Worker Y, looking at a view of the study read a moment before worker X made a trial
+    of a config (not yet taken), makes and takes its own: X's lower-numbered trial would win
+    once X took it, so Y takes and closes it first; X then finds the config held by Y. One
+    of the two evaluates it."""
+    from rpa_tune.schedulers import PENDING, RUN
+    monkeypatch.setenv("RPA_TUNE_KERNEL_HASH", "dist-test")
+    spec = make_spec()
+    url = f"sqlite:///{tmp_path / 'study.db'}"
+    x, y = scheduler(url, spec, tmp_path), scheduler(url, spec, tmp_path)
+    bs = plan_sweep(spec).candidates[0]
+    x._trials(fresh=True)                       # both views read before either trial exists
+    y._trials(fresh=True)
+    made = x._create(bs, "budget")              # X made its trial and is about to take it ...
+    got_y = y.acquire(bs, bs.label(), None, False, "budget")     # ... when Y makes and takes its own
+    monkeypatch.setattr(x, "_create", lambda *a: made)          # X goes on: its trial is the one made
+    got_x = x.acquire(bs, bs.label(), None, False, "budget")
+    assert sorted((got_y.kind, got_x.kind)) == sorted((RUN, PENDING))
+    x.close()
+    y.close()
+
+
 def test_a_worker_dead_after_recording_its_row_is_not_redone(tmp_path, monkeypatch):
     """A worker that died between storing a config's row and telling Optuna: the config's
     retried trial is answered with the stored row (and closed), never evaluated again."""
