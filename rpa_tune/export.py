@@ -404,7 +404,12 @@ def build_tables(df, *, workload_ids=(), kernel: str = DEFAULT) -> tuple[dict[st
     def version(es):      # the versions the entries were tuned with (provenance.kernel_hash)
         return ", ".join(sorted({e.provenance.get("kernel_hash") or "" for e in es} - {""})) or None
     rows_of = lambda g: [r for k, rs in by_key.items() if k.generation == g for r in rs]
-    tables = {g: Table(tuple(es), info=table_info(g, kernel, version(es), results_digest(rows_of(g))))
+    def fingerprints(es):   # the recorded programs of the versions and JAX the entries were tuned with
+        got = {get_kernel(kernel).fingerprint(e.provenance.get("kernel_hash"), e.provenance.get("jax_version"))
+               for e in es}
+        return ", ".join(sorted(got - {None})) or None
+    tables = {g: Table(tuple(es), info=table_info(g, kernel, version(es), results_digest(rows_of(g)),
+                                                  fingerprints(es)))
               for g, es in sorted(per_gen.items())}
     if bad:
         reports.append(KeyReport(None, None, f"{bad} result rows with an invalid key or block sizes skipped"))
@@ -428,10 +433,11 @@ def results_digest(rows: list[dict]) -> str:
 
 
 def table_info(generation: str, kernel: str = DEFAULT, kernel_version: str | None = None,
-               digest: str | None = None) -> dict:
+               digest: str | None = None, fingerprint: str | None = None) -> dict:
     """A table's ``info``. Our kernel's tables name no kernel (as before there were two);
     the public kernel's say which, and its version. ``digest``: ``results_digest`` of the
-    rows it was exported from."""
+    rows it was exported from; ``fingerprint``: the recorded program fingerprint of the
+    kernel version its entries were tuned for (``rpa_tune.fingerprint``)."""
     who = {} if kernel == DEFAULT else {"kernel": kernel, "kernel_version": kernel_version}
     return {
         **who,
@@ -445,6 +451,7 @@ def table_info(generation: str, kernel: str = DEFAULT, kernel_version: str | Non
             "rule": "promote iff heuristic_metric / metric - 1 > margin; no heuristic baseline: not promoted",
         },
         **({"results_digest": digest} if digest else {}),
+        **({"kernel_fingerprint": fingerprint} if fingerprint else {}),
         "schema_version": SCHEMA_VERSION,
     }
 

@@ -80,6 +80,11 @@ class TunedKernel:
         cannot be known here."""
         return self.version()
 
+    def fingerprint(self, version: str | None, jax_version: str | None) -> str | None:
+        """The recorded program fingerprint of ``version`` of this kernel under ``jax_version``
+        (``rpa_tune.fingerprint``), or None when none is recorded."""
+        return None
+
     def row_provenance(self, prov: dict) -> dict:
         """The provenance columns of a results row of this kernel (``provenance.provenance``
         with the kernel's own version where it differs)."""
