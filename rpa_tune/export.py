@@ -15,7 +15,9 @@ files, whatever the order of rows or files):
    ``measured`` one if any (a device measurement beats a compiler estimate), then the one
    with the most recent row, then the one with more configurations.
 4. Within the group, repeated rows of one configuration are merged: metric = median,
-   samples = sum, spread = max(row spreads, max - min of the row metrics). The best
+   samples = sum, spread = max(row spreads, (max - min of the row metrics) / median). A
+   spread is relative everywhere (a fraction of the metric: the TPU evaluator's IQR /
+   median; 0 or null for estimates, which are deterministic). The best
    configuration has the lowest metric (ties: smaller block sizes).
 5. The heuristic's configuration for the key (``kernel.heuristics``, as a call without
    ``chunk_prefill_size`` resolves it) is looked up in the same group (if absent, the one
@@ -29,8 +31,8 @@ files, whatever the order of rows or files):
      issue, semaphore waits, loop prologues) by its own model, and differences of a few
      percent are of that order; below 2 % we keep the heuristic, which also avoids
      churning the tables on near-ties.
-   * ``measured``: margin = max(``MEASURED_MIN_GAIN`` = 1 %, 2 x the larger relative
-     spread (spread / metric) of the best and the heuristic configuration): a gain that
+   * ``measured``: margin = max(``MEASURED_MIN_GAIN`` = 1 %, 2 x the larger (relative)
+     spread of the best and the heuristic configuration): a gain that
      does not clear twice the run-to-run spread is not distinguishable from noise.
 
    No heuristic row in the group: not promoted (``heuristic_metric = null``, the decision
@@ -218,8 +220,9 @@ def _aggregate(rows: list[dict]) -> dict[BlockSizes, ConfigStats]:
         ms = sorted(float(r["metric"]) for r in rs)
         n = len(ms)
         med = ms[n // 2] if n % 2 else 0.5 * (ms[n // 2 - 1] + ms[n // 2])
+        # relative spreads (a fraction of the metric), as the evaluators record them
         spreads = [float(_clean(r.get("spread")) or 0.0) for r in rs]
-        spread = max(max(spreads), ms[-1] - ms[0])
+        spread = max(max(spreads), (ms[-1] - ms[0]) / med if med > 0 else 0.0)
         samples = sum(_int(r.get("samples")) or 1 for r in rs)
         out[bs] = ConfigStats(bs, med, samples, spread, _recent_first(rs))
     return out
@@ -234,7 +237,7 @@ def _recent_first(rows: list[dict]) -> list[dict]:
 def _margin(method: str, best: ConfigStats, heur: ConfigStats | None) -> float:
     if method == "estimate":
         return ESTIMATE_MIN_GAIN
-    rel = [s.spread / s.metric for s in (best, heur) if s is not None and s.metric > 0]
+    rel = [s.spread for s in (best, heur) if s is not None]     # already relative
     return max(MEASURED_MIN_GAIN, MEASURED_SPREAD_FACTOR * max(rel + [0.0]))
 
 

@@ -54,6 +54,7 @@ SCHEMA = pa.schema([
     ("cycles", pa.float64()), ("estimate_s", pa.float64()), ("memory_bound_s", pa.float64()),
     ("compute_bound_s", pa.float64()), ("active_bound", pa.string()),
     ("audit", pa.string()), ("clock_hz", pa.float64()), ("clock_source", pa.string()),
+    # spread: relative to metric (a fraction: IQR / median of the samples; 0 / null for estimates)
     ("samples", pa.int64()), ("spread", pa.float64()), ("compile_s", pa.float64()), ("eval_s", pa.float64()),
     ("vmem_predicted_bytes", pa.int64()), ("vmem_limit_bytes", pa.int64()), ("vmem_reported_bytes", pa.int64()),
     ("message", pa.string()),

@@ -16,7 +16,7 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 #             tracked tree's size, a built wheel
 #   bench     the benchmark scripts' tooling (their parsing and merging, not their figures)
 TIERS = {
-    "unit": ("test_cli_bad_input", "test_coverage_plan", "test_distributed", "test_docs", "test_imports",
+    "unit": ("test_cli_bad_input", "test_device_path", "test_coverage_plan", "test_distributed", "test_docs", "test_imports",
              "test_kernel_metrics", "test_kernel_validation", "test_report_html", "test_tables_export",
              "test_tables_lookup", "test_tune_cli", "test_tune_engine", "test_tune_search", "test_tune_space",
              "test_tune_store", "test_tune_workloads"),

@@ -138,9 +138,8 @@ def test_a_small_q_prefill_estimate_must_beat_the_heuristic_by_its_composition_e
 def test_measured_margin_uses_spread(gain, rel_spread, promoted):
     k = key()
     base = 1e-4
-    rows = [row(k, H(k), base, method="measured", spread=base * rel_spread, samples=20),
-            row(k, _other_bs(k), base / (1 + gain), method="measured", spread=base / (1 + gain) * rel_spread,
-                samples=20)]
+    rows = [row(k, H(k), base, method="measured", spread=rel_spread, samples=20),     # spreads are relative
+            row(k, _other_bs(k), base / (1 + gain), method="measured", spread=rel_spread, samples=20)]
     (rep,) = _one(rows)
     assert rep.entry.method == "measured"
     assert rep.entry.promoted is promoted, rep.entry.decision
@@ -199,14 +198,15 @@ def test_heuristic_best_is_kept():
 
 def test_repeated_rows_are_aggregated_and_newest_kernel_wins():
     k = key()
-    rows = [row(k, H(k), 1e-4, method="measured", spread=1e-7, samples=5, timestamp=f"2025-11-2{i}T00:00:00Z")
+    rows = [row(k, H(k), 1e-4, method="measured", spread=0.001, samples=5, timestamp=f"2025-11-2{i}T00:00:00Z")
             for i in range(3)]
-    rows += [row(k, _other_bs(k), m, method="measured", spread=1e-7, samples=5) for m in (0.8e-4, 0.9e-4, 0.85e-4)]
+    rows += [row(k, _other_bs(k), m, method="measured", spread=0.001, samples=5) for m in (0.8e-4, 0.9e-4, 0.85e-4)]
     rows += [row(k, _other_bs(k, 1), 0.1e-4, kernel_hash="old", timestamp="2025-01-01T00:00:00Z", method="measured")]
     (rep,) = _one(rows)
     e = rep.entry
     assert tuple(e.block_sizes) == _other_bs(k) and e.metric == pytest.approx(0.85e-4)
-    assert e.samples == 15 and e.spread == pytest.approx(0.1e-4)
+    # spread: relative, the larger of the rows' (0.1 %) and the rows' range over their median
+    assert e.samples == 15 and e.spread == pytest.approx((0.9e-4 - 0.8e-4) / 0.85e-4)
     assert e.provenance["kernel_hash"] == "k0" and e.provenance["budget"] == 2
 
 

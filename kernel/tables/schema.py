@@ -56,7 +56,7 @@ class Entry:
     gain: float | None = None
     margin: float | None = None                    # minimum gain required to promote
     samples: int | None = None
-    spread: float | None = None                    # same unit as metric
+    spread: float | None = None                    # relative: a fraction of metric (IQR / median)
     vmem_limit_bytes: int | None = None            # scoped VMEM limit tuned with; None: kernel default
     provenance: dict = dataclasses.field(default_factory=dict)
 
@@ -141,6 +141,8 @@ class Entry:
             raise TableError(f"{where}: vmem_limit_bytes {self.vmem_limit_bytes} must be positive")
         if not (self.metric > 0 and math.isfinite(self.metric)):
             raise TableError(f"{where}: metric {self.metric!r} must be a positive finite number")
+        if self.spread is not None and not (self.spread >= 0 and math.isfinite(self.spread)):
+            raise TableError(f"{where}: spread {self.spread!r} must be a finite fraction of the metric (>= 0)")
 
     # -- flat form (the Parquet mirror's row) --------------------------------------------
     def to_row(self) -> dict:

@@ -259,12 +259,20 @@ class TpuEvaluator(Evaluator):
                 how = f"device time of {prefix} from a profiler trace (host overhead would dominate)"
             else:
                 notes.append("no kernel events in the profiler trace; wall-clock kept")
+        return timed_result(stats, how=how, notes=notes, task=task, compile_s=compile_s,
+                            vmem_limit_bytes=limit, device_kind=dev.device_kind)
+
+
+def timed_result(stats: TimingStats, *, how: str, notes=(), task: Task | None = None, **fields) -> EvalResult:
+    """The ``ok`` row of a timed config: the median (s), the number of samples and their
+    spread, relative (IQR / median, a fraction of the metric: export's margin reads it so)."""
+    extra = {}
+    if task is not None:
         from rpa_tune.estimator import audit
         s = audit.time_model(0.0, task.workload, task.model, task.generation, task.case,
-                            sliding_window=task.sliding_window)
-        return EvalResult(base.OK, self.method, metric=stats.median, samples=stats.samples, spread=stats.spread,
-                          compile_s=compile_s, vmem_limit_bytes=limit, device_kind=dev.device_kind,
-                          memory_bound_s=s["memory_bound_s"], compute_bound_s=s["compute_bound_s"],
-                          # the roofline's binding resource for this workload (the larger bound)
-                          active_bound="memory" if s["memory_bound_s"] >= s["compute_bound_s"] else "compute",
-                          message="; ".join(notes + [how]))
+                             sliding_window=task.sliding_window)
+        # the roofline's binding resource for this workload (the larger bound)
+        extra = dict(memory_bound_s=s["memory_bound_s"], compute_bound_s=s["compute_bound_s"],
+                     active_bound="memory" if s["memory_bound_s"] >= s["compute_bound_s"] else "compute")
+    return EvalResult(base.OK, TpuEvaluator.method, metric=stats.median, samples=stats.samples,
+                      spread=stats.spread, message="; ".join(list(notes) + [how]), **extra, **fields)
