@@ -25,7 +25,7 @@ TIERS = {
                 "test_tune_evaluators", "test_tuned_kernels"),
     "interpret": ("test_kernel_interpret",),
     "data": ("test_data_gates", "test_tables_shipped", "test_wheel"),
-    "bench": ("test_coverage_check", "test_critical_path", "test_vs_public_tables"),
+    "bench": ("test_coverage_check", "test_critical_path", "test_fidelity", "test_vs_public_tables"),
 }
 TIER_OF = {module: tier for tier, modules in TIERS.items() for module in modules}
 
