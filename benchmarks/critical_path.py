@@ -117,11 +117,11 @@ def _run(a, w, bs, model, out: str) -> int:
                     BUNDLES_FLAG if a.keep else "") if f)
     os.environ.setdefault("TPU_LOG_DIR", os.path.join(out, "tpu_logs"))
     os.environ["JAX_PLATFORMS"] = ""
-    from kernel import analysis
+    from rpa_tune.estimator.ours import lower_for_estimate
     from rpa_tune.estimator.trace import parse_profiles
     limits = ServingLimits(page_size=a.page, max_num_tokens=max(4096, sum(w.q_lens)), max_num_seqs=max(128, len(w.q_lens)),
                            max_model_len=max(16384, max(w.kv_lens)))
-    analysis.lower_for_estimate(w, bs, a.tpu, model, limits, Case.parse(a.case)).compile()
+    lower_for_estimate(w, bs, a.tpu, model, limits, Case.parse(a.case)).compile()
     prefix = f"rpa_{Case.parse(a.case).value}_{bs.label()}"
     cycles = {k: v for k, v in parse_profiles(out).items() if k.startswith(prefix)}
     print(f"estimated cycles (static profiler estimate): {cycles}")

@@ -4,27 +4,27 @@
   TPU generation with abstract inputs (no TPU needed); ``.compile()`` on the result is the
   VMEM judge (``RESOURCE_EXHAUSTED`` when a config does not fit). The KV cache is donated
   as in a serving call.
-* ``lower_for_estimate(workload, block_sizes, tpu, model, limits, case)`` lowers the same
-  program with the workload's metadata visible to libtpu's static profiler (*analysis
-  mode*, ``KernelSpec.static_meta``): ``kv_lens`` and ``cu_q_lens`` are stored into SMEM at
-  static addresses at kernel entry, and the sequence loop is cut into one loop per run of
-  like sequences (same q and KV length) whose metadata the kernel computes in closed form,
-  so every trip count and SMEM address the profiler has to follow is known to it. It is
-  the serving pipeline otherwise: one pass over all the case's sequences with
+* Its ``static_meta`` parameter (``static_meta_for(workload, limits)``) asks for the
+  *analysis program*: the same program with a workload's metadata visible to libtpu's
+  static profiler (``KernelSpec.static_meta``): ``kv_lens`` and ``cu_q_lens`` are stored
+  into SMEM at static addresses at kernel entry, and the sequence loop is cut into one loop
+  per run of like sequences (same q and KV length) whose metadata the kernel computes in
+  closed form, so every trip count and SMEM address the profiler has to follow is known to
+  it. It is the serving pipeline otherwise: one pass over all the case's sequences with
   cross-sequence prefetch, the same q-block, KV-step and chunk loops, the cache in HBM.
+  ``heuristic_only`` and ``new_kv_in_vmem`` are the analysis program's other choices.
 
-The estimator that compiles these with the profiler, audits and composes the estimates
-is tuner code: ``rpa_tune.estimator``. Kernel correctness never depends on this module.
+Which program the estimator lowers for a workload (its limits, cache size, operands) and
+how it compiles, audits and composes the estimates is tuner code:
+``rpa_tune.estimator.ours.lower_for_estimate``. Kernel correctness never depends on this
+module.
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 import re
 
-import numpy as np
-
-from .config import BlockSizes, CASES, Case, cdiv, get_generation, get_kv_cache_shape, round_up
+from .config import BlockSizes, CASES, Case, get_generation, get_kv_cache_shape
 from .workload import ModelShape, ServingLimits, Workload
 
 def _quiet_libtpu_env(env=None):
@@ -151,56 +151,6 @@ def static_meta_for(workload: Workload, limits: ServingLimits) -> tuple:
         lo, hi = workload.case_range(case)
         out.append(((lo, hi), kv, cu))
     return tuple(out)
-
-
-def estimate_limits(workload: Workload, limits: ServingLimits, block_sizes: dict) -> ServingLimits:
-    """``limits`` cut down to what ``workload`` uses: token budget = its tokens (at least
-    the largest ``bq``), sequence budget = its sequences; page size and max_model_len kept."""
-    bq = max([b.bq for b in block_sizes.values() if b is not None] + [1])
-    return dataclasses.replace(limits, max_num_tokens=round_up(max(workload.num_tokens, bq, 8), 8),
-                               max_num_seqs=max(1, workload.num_seqs))
-
-
-def estimate_num_pages(workload: Workload, model: ModelShape, limits: ServingLimits, tpu: str) -> int:
-    """Pages of the KV cache an estimate compiles with: the workload's own, and at least
-    enough for the cache to be twice the generation's VMEM. XLA keeps a cache that size
-    in HBM, as a serving cache always is; XLA places a cache cut to a small workload's
-    size in VMEM (even donated), and the kernel's page DMAs are then costed VMEM -> VMEM. The size costs the profiler nothing more: its cycles, time and memory do not
-    depend on the number of pages."""
-    import numpy as np
-    from .hardware import tpu_info
-    page_bytes = int(np.prod(get_kv_cache_shape(1, limits.page_size, model.num_kv_heads, model.head_dim,
-                                                np.dtype(model.kv_dtype)))) * np.dtype(model.kv_dtype).itemsize
-    need = sum(cdiv(k, limits.page_size) for k in workload.kv_lens) + 1
-    return max(need, cdiv(2 * int(tpu_info(tpu).vmem_capacity_bytes), page_bytes))
-
-
-def lower_for_estimate(workload: Workload, block_sizes, tpu: str, model: ModelShape,
-                       limits: ServingLimits, case: Case | str, **attn_options):
-    """Lower one case's kernel with ``workload``'s metadata visible to the static profiler.
-
-    ``block_sizes`` is the case's ``BlockSizes`` (or a dict case -> sizes). Compile the result
-    with ``LIBTPU_INIT_ARGS=--xla_jf_dump_static_llo_profile_to=DIR`` set before libtpu
-    loads; the profile of kernel ``rpa_<case>_<sizes>`` holds ``estimated_cycles``.
-    """
-    case = Case.parse(case)
-    bsd = block_sizes if isinstance(block_sizes, dict) else {case: block_sizes}
-    bsd = _block_dict(bsd)
-    lo, hi = workload.case_range(case)
-    if hi == lo:
-        raise ValueError(f"workload has no {case.value} sequences (distribution={workload.distribution})")
-    # Only the workload's own sizes: the profiler's memory and time grow with the array
-    # sizes (max_num_tokens, pages), and nothing the kernel does per step depends on them
-    # (its VMEM scratch depends on the block sizes and the model only).
-    limits = estimate_limits(workload, limits, bsd)
-    meta = static_meta_for(workload, limits)
-    # fp8: see lower_deviceless. head_dim > 128: the profiler spends far more time and
-    # memory on each XLA op that pads or fills the q / new-KV / output operands than on
-    # the kernel itself.
-    attn_options.setdefault("prepared_operands", np.dtype(model.kv_dtype).itemsize == 1 or model.head_dim > 128)
-    return lower_deviceless(model, limits, tpu, bsd, cases=(case.value,), static_meta=meta,
-                            num_pages=estimate_num_pages(workload, model, limits, tpu),
-                            **attn_options)
 
 
 # ------------------------------------------------------------------ compile verdicts

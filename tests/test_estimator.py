@@ -1398,7 +1398,7 @@ def test_an_estimate_lowers_the_same_program_whatever_the_tables_and_overrides(m
     (kernel.api.prepare_inputs): from the tables or RPA_{D,P,M}_BLOCK_SIZES they would make
     a config's estimate depend on the process's tables (v5p: 3.9 % for one config,
     rpa_tune.estimator.ours). The estimate's builder takes the heuristic's."""
-    from kernel import analysis, tables as kt
+    from kernel import tables as kt
     from rpa_tune.estimator import ours
     bs = BlockSizes(64, 512, 64, 512)
     w = Workload.of_case("mixed", [1, 2, 128], [257, 130, 128])
@@ -1409,8 +1409,8 @@ def test_an_estimate_lowers_the_same_program_whatever_the_tables_and_overrides(m
     kt.reset()
     try:
         plain = ours.lower(**req)[0].as_text()
-        direct = lambda: analysis.lower_for_estimate(w, bs, "v5p", LLAMA, LIM, "mixed",
-                                                     vmem_limit_bytes=32 << 20).as_text()
+        direct = lambda: ours.lower_for_estimate(w, bs, "v5p", LLAMA, LIM, "mixed",
+                                                 vmem_limit_bytes=32 << 20).as_text()
         assert direct() == plain
         monkeypatch.setenv("RPA_P_BLOCK_SIZES", "512,2048,64,512")
         monkeypatch.setenv("RPA_D_BLOCK_SIZES", "8,2048,8,512")

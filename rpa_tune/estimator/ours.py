@@ -34,7 +34,12 @@ workload and generation only (docs/estimator.md, "Padding for the other cases").
 """
 from __future__ import annotations
 
-from kernel.config import BlockSizes, Case
+import dataclasses
+
+import numpy as np
+
+from kernel import analysis
+from kernel.config import BlockSizes, Case, cdiv, get_kv_cache_shape, round_up
 from kernel.workload import ModelShape, ServingLimits, Workload
 
 # Generations whose probe programs depend on the other cases' padding (module doc): v5p's
@@ -88,10 +93,9 @@ def places_on_no_estimate(tpu: str, case: Case | str, model: ModelShape) -> bool
 def lower(*, workload: dict, block_sizes, tpu: str, model: dict, limits: dict, case: str,
           options: dict | None = None, place_new_kv: bool | None = None):
     """``(Lowered, kernel name prefix)`` of one case of ``kernel`` with ``workload``'s
-    metadata visible to the static profiler (``kernel.analysis.lower_for_estimate``), the
+    metadata visible to the static profiler (``lower_for_estimate``), the
     new K/V operand in VMEM where ``places_new_kv`` says (module doc), or as
     ``place_new_kv`` says (False: where XLA puts it; for the checks of the placement)."""
-    from kernel import analysis
     w = Workload(tuple(workload["q_lens"]), tuple(workload["kv_lens"]), tuple(workload["distribution"]))
     bs = BlockSizes(*block_sizes)
     case = Case.parse(case)
@@ -100,6 +104,56 @@ def lower(*, workload: dict, block_sizes, tpu: str, model: dict, limits: dict, c
         place_new_kv = places_new_kv(tpu, case, shape)
     # the other cases' sizes pad the operands (``kernel.api.prepare_inputs``): the heuristic's,
     # never a table's or an override's (module doc)
-    lowered = analysis.lower_for_estimate(w, bs, tpu, shape, ServingLimits(**limits), case, heuristic_only=True,
+    lowered = lower_for_estimate(w, bs, tpu, shape, ServingLimits(**limits), case, heuristic_only=True,
                                           new_kv_in_vmem=bool(place_new_kv), **(options or {}))
     return lowered, f"rpa_{case.value}_{bs.label()}"
+
+
+# ------------------------------------------------------------ the analysis program
+def estimate_limits(workload: Workload, limits: ServingLimits, block_sizes: dict) -> ServingLimits:
+    """``limits`` cut down to what ``workload`` uses: token budget = its tokens (at least
+    the largest ``bq``), sequence budget = its sequences; page size and max_model_len kept."""
+    bq = max([b.bq for b in block_sizes.values() if b is not None] + [1])
+    return dataclasses.replace(limits, max_num_tokens=round_up(max(workload.num_tokens, bq, 8), 8),
+                               max_num_seqs=max(1, workload.num_seqs))
+
+
+def estimate_num_pages(workload: Workload, model: ModelShape, limits: ServingLimits, tpu: str) -> int:
+    """Pages of the KV cache an estimate compiles with: the workload's own, and at least
+    enough for the cache to be twice the generation's VMEM. XLA keeps a cache that size
+    in HBM, as a serving cache always is; XLA places a cache cut to a small workload's
+    size in VMEM (even donated), and the kernel's page DMAs are then costed VMEM -> VMEM. The size costs the profiler nothing more: its cycles, time and memory do not
+    depend on the number of pages."""
+    from kernel.hardware import tpu_info
+    page_bytes = int(np.prod(get_kv_cache_shape(1, limits.page_size, model.num_kv_heads, model.head_dim,
+                                                np.dtype(model.kv_dtype)))) * np.dtype(model.kv_dtype).itemsize
+    need = sum(cdiv(k, limits.page_size) for k in workload.kv_lens) + 1
+    return max(need, cdiv(2 * int(tpu_info(tpu).vmem_capacity_bytes), page_bytes))
+
+
+def lower_for_estimate(workload: Workload, block_sizes, tpu: str, model: ModelShape,
+                       limits: ServingLimits, case: Case | str, **attn_options):
+    """Lower one case's kernel with ``workload``'s metadata visible to the static profiler.
+
+    ``block_sizes`` is the case's ``BlockSizes`` (or a dict case -> sizes). Compile the result
+    with ``LIBTPU_INIT_ARGS=--xla_jf_dump_static_llo_profile_to=DIR`` set before libtpu
+    loads; the profile of kernel ``rpa_<case>_<sizes>`` holds ``estimated_cycles``.
+    """
+    case = Case.parse(case)
+    bsd = block_sizes if isinstance(block_sizes, dict) else {case: block_sizes}
+    bsd = {Case.parse(k): (None if v is None else BlockSizes.coerce(v)) for k, v in bsd.items()}
+    lo, hi = workload.case_range(case)
+    if hi == lo:
+        raise ValueError(f"workload has no {case.value} sequences (distribution={workload.distribution})")
+    # Only the workload's own sizes: the profiler's memory and time grow with the array
+    # sizes (max_num_tokens, pages), and nothing the kernel does per step depends on them
+    # (its VMEM scratch depends on the block sizes and the model only).
+    limits = estimate_limits(workload, limits, bsd)
+    meta = analysis.static_meta_for(workload, limits)
+    # fp8: see kernel.analysis.lower_deviceless. head_dim > 128: the profiler spends far more time and
+    # memory on each XLA op that pads or fills the q / new-KV / output operands than on
+    # the kernel itself.
+    attn_options.setdefault("prepared_operands", np.dtype(model.kv_dtype).itemsize == 1 or model.head_dim > 128)
+    return analysis.lower_deviceless(model, limits, tpu, bsd, cases=(case.value,), static_meta=meta,
+                            num_pages=estimate_num_pages(workload, model, limits, tpu),
+                            **attn_options)

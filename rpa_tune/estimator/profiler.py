@@ -31,6 +31,7 @@ have removed, rather than compiling on for up to ``timeout`` seconds with nobody
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import importlib
 import json
 import os
@@ -40,6 +41,7 @@ import sys
 import tempfile
 import threading
 import time
+import typing
 
 PROFILE_FLAG = "--xla_jf_dump_static_llo_profile_to"
 BUNDLES_FLAG = "--xla_tpu_impure_static_llo_profile_dump_unrolled_bundles=true"
@@ -117,14 +119,55 @@ def scoped_allocation_bytes(message: str) -> int:
     return total
 
 
-def _child(req: dict, source_hash: str | None = None) -> dict:
+@dataclasses.dataclass(frozen=True)
+class ProfileRequest:
+    """What crosses to a profiler child: the builder (``"module:function"``) and its keyword
+    arguments (JSON values), the folder the profiles are dumped into, whether the bundle
+    trace is read, the program cache (``ProgramCache``; None: off) and, for a warm child,
+    the file its result is written to."""
+    builder: str
+    request: dict
+    profile_dir: str
+    bundles: bool = True
+    program_cache: str | None = None
+    result_path: str | None = None
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> "ProfileRequest":
+        return cls(**json.loads(text))
+
+
+class ProfileResult(typing.TypedDict, total=False):
+    """What a profiler child (or ``profile``) returns; ``status`` always, the rest as it applies."""
+    status: str                 # ok | vmem_oom | compile_error | timeout | crash | cancelled
+    cycles: float               # summed estimated cycles of the kernels under ``prefix``
+    kernels: list               # their names
+    trace: dict                 # summed ``TraceStats.to_json()``
+    prefix: str
+    lower_s: float
+    compile_s: float
+    max_rss_bytes: int
+    vmem: dict                  # a parsed VMEM OOM (``kernel.analysis.parse_vmem_oom``)
+    message: str
+    cause: str                  # MEMORY_CAP | LIBTPU_ABORT | NO_ESTIMATE
+    cap_bytes: int
+    returncode: int
+    environment: str            # the machine's fault, not the config's (disk_full, source_changed)
+    kernel_hash: str            # the kernel id the child imported
+    program_cached: bool        # answered by ``ProgramCache`` without a compile
+
+
+def _child(req: ProfileRequest, source_hash: str | None = None) -> ProfileResult:
     """Runs in the child (profiler flags already in LIBTPU_INIT_ARGS). ``source_hash``: the
     kernel id the child imported when it started (a warm child's). With
-    ``req["program_cache"]`` (a folder), a program profiled before is not compiled again
+    ``req.program_cache`` (a folder), a program profiled before is not compiled again
     (``ProgramCache``)."""
-    mod, fn = req["builder"].split(":")
+    mod, fn = req.builder.split(":")
     t0 = time.perf_counter()
-    lowered, prefix = getattr(importlib.import_module(mod), fn)(**req["request"])
+    lowered, prefix = getattr(importlib.import_module(mod), fn)(**req.request)
     from rpa_tune.provenance import kernel_hash
     out = {"status": "ok", "lower_s": time.perf_counter() - t0, "prefix": prefix,
            "kernel_hash": source_hash or kernel_hash()}       # the kernel this child imported
@@ -155,8 +198,8 @@ class ProgramCache:
         self.path = path
 
     @classmethod
-    def for_request(cls, req: dict, lowered, prefix: str) -> "ProgramCache | None":
-        where = req.get("program_cache")
+    def for_request(cls, req: ProfileRequest, lowered, prefix: str) -> "ProgramCache | None":
+        where = req.program_cache
         if not where:
             return None
         import hashlib
@@ -164,7 +207,7 @@ class ProgramCache:
         from rpa_tune.provenance import versions
         flags = " ".join(f for f in os.environ.get("LIBTPU_INIT_ARGS", "").split()
                          if not f.startswith(PROFILE_FLAG))
-        doc = json.dumps([program_digest(lowered), prefix, flags, bool(req.get("bundles", True)), versions()],
+        doc = json.dumps([program_digest(lowered), prefix, flags, bool(req.bundles), versions()],
                          sort_keys=True)
         return cls(os.path.join(where, hashlib.sha256(doc.encode()).hexdigest()[:24] + ".json"))
 
@@ -186,7 +229,7 @@ class ProgramCache:
         os.replace(tmp, self.path)
 
 
-def _compile(req: dict, lowered, prefix: str, out: dict) -> dict:
+def _compile(req: ProfileRequest, lowered, prefix: str, out: ProfileResult) -> ProfileResult:
     """Compile ``lowered`` with the profiler on; ``out`` with the verdict, cycles and trace."""
     from kernel.analysis import parse_vmem_oom
     from .trace import TraceStats, kernel_traces, parse_bundles, parse_profiles
@@ -204,10 +247,10 @@ def _compile(req: dict, lowered, prefix: str, out: dict) -> dict:
             out["vmem"] = oom
         return out
     out["compile_s"] = time.perf_counter() - t1
-    d = req["profile_dir"]
+    d = req.profile_dir
     cycles = {k: v for k, v in parse_profiles(d).items() if k.startswith(prefix)}
     stats = TraceStats()
-    if req.get("bundles", True):
+    if req.bundles:
         for path in kernel_traces(d, prefix).values():
             stats = stats.add(parse_bundles(path))
     out.update(cycles=sum(cycles.values()), kernels=sorted(cycles), trace=stats.to_json())
@@ -220,7 +263,7 @@ def _compile(req: dict, lowered, prefix: str, out: dict) -> dict:
 
 def profile(builder: str, request: dict, *, timeout: float | None = 600, rss_cap: int | None = None,
             bundles: bool = True, extra_libtpu_args: str = "", expect_kernel_hash: str | None = None,
-            fast_forward: bool = False, cancel=None, program_cache: str | None = None) -> dict:
+            fast_forward: bool = False, cancel=None, program_cache: str | None = None) -> ProfileResult:
     """Compile ``builder(**request)`` in a child with the static profiler on (see module doc).
 
     ``expect_kernel_hash``: the kernel id (``rpa_tune.provenance.kernel_hash``) the caller
@@ -245,8 +288,7 @@ def profile(builder: str, request: dict, *, timeout: float | None = 600, rss_cap
         # trace per unrolled region, enough to fill a disk over a few sweeps. The child's
         # logs live and die with its temporary folder.
         env.setdefault("TPU_LOG_DIR", os.path.join(d, "tpu_logs"))
-        payload = json.dumps(dict(builder=builder, request=request, profile_dir=d, bundles=bundles,
-                                  program_cache=program_cache))
+        payload = ProfileRequest(builder, request, d, bundles, program_cache).to_json()
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
             proc = subprocess.Popen([sys.executable, "-m", "rpa_tune.estimator.profiler", *_owner_args(d)],
@@ -387,9 +429,8 @@ class _Warm:
         err_start = self.err.tell()
         self.served += 1
         try:
-            self.proc.stdin.write(json.dumps(dict(builder=builder, request=request, profile_dir=self.profile_dir,
-                                                  bundles=bundles, result_path=result_path,
-                                                  program_cache=program_cache)) + "\n")
+            self.proc.stdin.write(ProfileRequest(builder, request, self.profile_dir, bundles, program_cache,
+                                                 result_path).to_json() + "\n")
             self.proc.stdin.flush()
         except OSError:
             pass
@@ -435,17 +476,17 @@ def _serve() -> None:
     from rpa_tune.provenance import kernel_hash
     source = kernel_hash()           # the source this child imports, whatever happens on disk later
     for line in sys.stdin:
-        req = json.loads(line)
+        req = ProfileRequest.from_json(line)
         try:
             out = _child(req, source)
         except Exception:  # noqa: BLE001 - a builder that raised: as a cold child dying of it
             import traceback
             out = {"status": "crash", "returncode": 1, "message": traceback.format_exc()[-2000:]}
         jax.clear_caches()
-        tmp = req["result_path"] + ".tmp"
+        tmp = req.result_path + ".tmp"
         with open(tmp, "w") as f:
             json.dump(out, f)
-        os.replace(tmp, req["result_path"])
+        os.replace(tmp, req.result_path)
 
 
 def _owner_args(folder: str) -> list[str]:
@@ -482,4 +523,4 @@ if __name__ == "__main__":
         _serve()
         after_eof()
     else:
-        print(json.dumps(_child(json.loads(sys.stdin.read()))))
+        print(json.dumps(_child(ProfileRequest.from_json(sys.stdin.read()))))

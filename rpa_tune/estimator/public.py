@@ -66,7 +66,7 @@ Other choices:
 * Prefill is the public kernel's fixed-size chunked-prefill kernel (``RPAp``): every
   prefill sequence must have the same ``q_len`` (it becomes ``chunk_prefill_size``).
 * The kernel is named ``public_rpa_<case>_bq.._bkv.._cq.._ckv..`` (the returned prefix).
-* Serving limits are cut to the workload, as ``kernel.analysis.lower_for_estimate`` does
+* Serving limits are cut to the workload, as ``rpa_tune.estimator.ours.lower_for_estimate`` does
   (tokens: the case's own, at least ``bq``, rounded to 8; sequences: the case's own); the
   cache holds the workload's pages and at least twice the chip's VMEM, so that XLA keeps
   it in HBM. The outer jit donates the cache (and q / k / v, as the public jit does):
