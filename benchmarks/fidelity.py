@@ -23,7 +23,9 @@ bucket (decode: 128 tokens; prefill: the sequence's tokens) and ``max_model_len`
 row's context (a page table sized for the row). The public kernel runs its own default for
 that key (``get_kernel("tpu-inference").heuristic``); ours runs the shipped table's entry
 for the key (exact or bucketed) and its heuristic where there is none (the column names
-which). ``benchmarks/vs_public.py`` instead reports each kernel at its best of a candidate
+which). Where the public default does not compile deviceless (decode from 4096 tokens: a
+VMEM OOM), the row says so and is priced at ``DECODE_FALLBACK`` instead, marked †; the
+estimate/measured ratio and the growths use that stand-in, marked. ``benchmarks/vs_public.py`` instead reports each kernel at its best of a candidate
 set, so its figures differ where the default is not that best.
 
 Per core / per chip: every estimate here is for ONE TensorCore (libtpu's profiler compiles
@@ -75,6 +77,11 @@ MEASURED = {
 }
 TABLE = {"decode": "Table 4", "prefill": "Table 8"}
 KERNELS = ("tpu-inference", "rpa-tune")      # the public kernel (measured), ours
+# The public kernel's decode default at the longest contexts, (1, 4096, 1, 4096), does not fit
+# a deviceless compile (the program's VMEM passes the chip's at the limit its kernel asks for).
+# Such rows are also priced at its default for 2048 tokens, the largest KV block of its
+# defaults that compiles, marked as a stand-in in the table (never as the default).
+DECODE_FALLBACK = BlockSizes(1, 2048, 1, 2048)
 
 
 # ------------------------------------------------------------------ rows (pure: no compile)
@@ -84,8 +91,8 @@ def ratio(a, b):
 
 def build_rows(measured: dict, priced: dict) -> list[dict]:
     """One case's rows: ``measured`` {context: µs}; ``priced`` {context: {kernel: price}},
-    a price being ``{"status": "ok", "time_us": ...}`` (and whatever else it carries) or
-    ``{"status": ..., "reason": ...}``. Per row: the public kernel's estimate / measured,
+    a price being ``{"status": "ok", "time_us": ...}`` (and whatever else it carries; with
+    ``fallback_for``: a stand-in's, ``price``) or ``{"status": ..., "reason": ...}``. Per row: the public kernel's estimate / measured,
     the growth from the previous row of both (and estimated growth / measured growth,
     only where both rows are priced), ours / public. A row that cannot be priced stays,
     with its reason."""
@@ -100,12 +107,15 @@ def build_rows(measured: dict, priced: dict) -> list[dict]:
         row = dict(context=ctx, measured_us=m, public=pub, ours=ours, public_us=pub_t, ours_us=ours_t,
                    estimate_over_measured=ratio(pub_t, m), ours_over_public=ratio(ours_t, pub_t),
                    ours_over_measured=ratio(ours_t, m),
-                   measured_growth=None, estimated_growth=None, growth_ratio=None, ours_growth=None)
+                   measured_growth=None, estimated_growth=None, growth_ratio=None, ours_growth=None,
+                   public_stand_in=bool(pub_t is not None and pub.get("fallback_for")), growth_stand_in=False)
         if prev is not None:
             row["measured_growth"] = m / prev["measured_us"]
             row["estimated_growth"] = ratio(pub_t, prev["public_us"])
             row["growth_ratio"] = ratio(row["estimated_growth"], row["measured_growth"])
             row["ours_growth"] = ratio(ours_t, prev["ours_us"])
+            row["growth_stand_in"] = row["estimated_growth"] is not None and (
+                row["public_stand_in"] or prev["public_stand_in"])
         out.append(row)
         prev = row
     return out
@@ -117,7 +127,11 @@ def _f(x, fmt="{:,.0f}", none="–"):
 
 def _cfg(price: dict) -> str:
     bs = price.get("block_sizes")
-    return "" if not bs else f"({', '.join(map(str, bs))})"
+    return "" if not bs else f"({', '.join(map(str, bs))})" + ("†" if price.get("fallback_for") else "")
+
+
+def _mark(price: dict) -> str:
+    return "†" if price.get("fallback_for") else ""
 
 
 def render_case(case: str, rows: list[dict]) -> list[str]:
@@ -136,9 +150,11 @@ def render_case(case: str, rows: list[dict]) -> list[str]:
     for r in rows:
         pub, ours = r["public"], r["ours"]
         cells = [f"{r['context']:,}", _f(r["measured_us"]),
-                 _f(r["public_us"], none="not priced"), _f(r["estimate_over_measured"], "{:.2f}"),
-                 _f(r["measured_growth"], "{:.2f}×"), _f(r["estimated_growth"], "{:.2f}×"),
-                 _f(r["growth_ratio"], "{:.2f}"), _cfg(pub)]
+                 _f(r["public_us"], none="not priced") + _mark(pub),
+                 _f(r["estimate_over_measured"], "{:.2f}") + ("" if r["estimate_over_measured"] is None else _mark(pub)),
+                 _f(r["measured_growth"], "{:.2f}×"),
+                 _f(r["estimated_growth"], "{:.2f}×") + ("†" if r["growth_stand_in"] else ""),
+                 _f(r["growth_ratio"], "{:.2f}") + ("†" if r["growth_stand_in"] else ""), _cfg(pub)]
         if two:
             cells.append(_f(pub.get("split_time_us") if pub.get("status") == "ok" else None))
         cells += [_f(r["ours_us"], none="not priced"), _f(r["ours_over_public"], "{:.2f}"),
@@ -150,7 +166,11 @@ def render_case(case: str, rows: list[dict]) -> list[str]:
             if pr.get("status") != "ok":
                 notes.append(f"- {case} {r['context']:,}, {who} {_cfg(pr)}: not priced: {pr.get('status')}: "
                              f"{pr.get('reason', '')}")
-            elif pr.get("audit") != "complete":
+            elif pr.get("fallback_for"):
+                notes.append(f"- {case} {r['context']:,}, {who}: its default ({', '.join(map(str, pr['fallback_for']))}) "
+                             f"not priced: {pr.get('default_status')}: {pr.get('default_reason', '')}; "
+                             f"† priced at the stand-in {_cfg(pr)} instead")
+            if pr.get("status") == "ok" and pr.get("audit") != "complete":
                 notes.append(f"- {case} {r['context']:,}, {who} {_cfg(pr)}: audit {pr.get('audit')}: "
                              f"{'; '.join(pr.get('reasons') or [])[:300]}")
     return lines + ([""] + notes if notes else [])
@@ -203,8 +223,7 @@ def probed(kernel: str, case: str, bs: BlockSizes) -> dict:
                 raise SystemExit(f"fidelity: {pr['message'][:300]}")
             return pr
         pr, _ = vs_public._with_vmem_retries(GEN, vs_public.BASE, once)
-        print(f"  {kernel} {case} {tuple(bs)}: {pr['status']} ({time.time() - t0:.0f} s"
-              f"{', cached' if pr.get('cached') or not pr.get('compile_s') else ''})", flush=True)
+        print(f"  {kernel} {case} {tuple(bs)}: {pr['status']} ({time.time() - t0:.0f} s)", flush=True)
         _PROBED[ck] = pr
     return _PROBED[ck]
 
@@ -214,19 +233,35 @@ def workload(case: str, ctx: int, n: int = DECODE_SEQS) -> Workload:
 
 
 def price(kernel: str, case: str, ctx: int) -> dict:
-    """One kernel's estimate of one row (µs, one TensorCore), or why there is none."""
+    """One kernel's estimate of one row (µs, one TensorCore), or why there is none; the
+    public decode default that runs out of VMEM deviceless: its stand-in's estimate, with
+    ``fallback_for`` (the default), ``default_status`` and ``default_reason``."""
+    k = key(case, ctx)
+    bs, src = config_for(kernel, k)
+    out = price_config(kernel, case, ctx, bs, src)
+    if kernel == "tpu-inference" and case == "decode" and out["status"] == "vmem_oom" and bs != DECODE_FALLBACK:
+        fb = price_config(kernel, case, ctx, DECODE_FALLBACK, "stand-in")
+        if fb["status"] == "ok":
+            return dict(fb, fallback_for=list(bs), default_status=out["status"], default_reason=out["reason"])
+    return out
+
+
+def price_config(kernel: str, case: str, ctx: int, bs: BlockSizes | None, src: str) -> dict:
+    """``kernel`` at ``bs`` on the row's workload (``price``)."""
     import vs_public
     from rpa_tune.estimator import audit, compose
     from rpa_tune.kernels import get_kernel
     k = key(case, ctx)
-    bs, src = config_for(kernel, k)
     base = dict(block_sizes=list(bs) if bs else None, config_source=src, key=k.id(), label="estimate",
                 per="one TensorCore")
     if bs is None:
         return dict(base, status="no_config", reason="the kernel has no default block sizes for this key")
     pr = probed(kernel, case, bs)
     if pr["status"] != "ok":
-        return dict(base, status=pr["status"], reason=vs_public._one_line(pr.get("message", "")))
+        why = vs_public._one_line(pr.get("message", ""))
+        if pr["status"] == "vmem_oom":
+            why = f"deviceless compile, after the VMEM-limit retries of vs_public.py: {why}"
+        return dict(base, status=pr["status"], reason=why)
     kern = get_kernel(kernel)
     model = compose.model_from_json(pr["model"])
 
@@ -268,27 +303,29 @@ def main(argv=None) -> int:
     with open(args.out, "w") as f:
         f.write(md)
     with open(args.json, "w") as f:
-        json.dump(compact(result), f, indent=1, sort_keys=True)
+        json.dump(compact(result), f, sort_keys=True, separators=(",", ":"))
         f.write("\n")
     return 0
 
 
 def compact(result: dict) -> dict:
     """The JSON record: per row the figures and each kernel's config, bound and audit."""
-    keep = ("status", "reason", "block_sizes", "config_source", "time_us", "estimate_us", "memory_bound_us",
+    keep = ("status", "reason", "fallback_for", "default_status", "default_reason", "block_sizes", "config_source", "time_us", "estimate_us", "memory_bound_us",
             "compute_bound_us", "bound", "cycles", "audit", "split_time_us", "key")
     out = {k: v for k, v in result.items() if k != "cases"}
-    out["cases"] = {c: [dict({k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()
-                              if k not in ("public", "ours")},
-                             public={k: r["public"][k] for k in keep if k in r["public"]},
-                             ours={k: r["ours"][k] for k in keep if k in r["ours"]})
+    def rnd(v):
+        return round(v, 4) if isinstance(v, float) else v
+    out["cases"] = {c: [dict({k: rnd(v) for k, v in r.items() if k not in ("public", "ours")},
+                             public={k: rnd(r["public"][k]) for k in keep if k in r["public"]},
+                             ours={k: rnd(r["ours"][k]) for k in keep if k in r["ours"]})
                         for r in rows] for c, rows in result["cases"].items()}
     return out
 
 
 def render(result: dict) -> str:
     lines = ["# Estimates against the RPA paper's TPU7x measurements", "",
-             f"Generated by `benchmarks/fidelity.py` ({result.get('run_s', 0)} s). Measured: the paper's "
+             f"Generated by `benchmarks/fidelity.py` (this run {result.get('run_s', 0)} s; probe verdicts cached on disk "
+             "are reused). Measured: the paper's "
              f"{TABLE['decode']} / {TABLE['prefill']} ({result['source']}), public RPA v3 on a TPU7x **chip** "
              "(both TensorCores), µs excl. prep — `measured`. Estimates: the tool's compile backend for **one "
              "TensorCore** (probe composition, `audit.time_model`) — `estimate`. No per-core → per-chip "

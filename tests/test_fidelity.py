@@ -83,3 +83,23 @@ def test_the_paper_rows_are_the_reference_tables():
     assert sorted(fidelity.MEASURED["decode"]) == [512 << i for i in range(7)]
     assert sorted(fidelity.MEASURED["prefill"]) == [512 << i for i in range(7)]
     assert fidelity.MEASURED["decode"][8192] == 641 and fidelity.MEASURED["prefill"][4096] == 246
+
+
+def test_a_stand_in_config_is_marked_wherever_its_figure_is_used():
+    import fidelity
+    stand_in = dict(_ok(900.0, bs=(1, 2048, 1, 2048), src="stand-in", split=450.0), fallback_for=[1, 4096, 1, 4096],
+                    default_status="vmem_oom", default_reason="Used 76.28M of 63.94M vmem")
+    priced = dict(PRICED)
+    priced[4096] = {**PRICED[4096], "tpu-inference": stand_in}
+    rows = fidelity.build_rows(MEASURED, priced)
+    assert rows[3]["public_stand_in"] and abs(rows[3]["estimate_over_measured"] - 900 / 500) < 1e-12
+    priced2 = dict(priced)
+    priced2[2048] = {**PRICED[2048], "tpu-inference": _ok(400.0)}
+    rows2 = fidelity.build_rows(MEASURED, priced2)
+    assert rows2[3]["growth_stand_in"] and abs(rows2[3]["estimated_growth"] - 900 / 400) < 1e-12
+    assert not rows2[2]["growth_stand_in"]
+    text = fidelity.render_case("decode", rows2)
+    line = next(l for l in text if l.startswith("| 4,096 |"))
+    assert "900†" in line and "1.80†" in line and "2.25×†" in line and "(1, 2048, 1, 2048)†" in line
+    assert any(n.startswith("- decode 4,096, public: its default (1, 4096, 1, 4096) not priced: vmem_oom: Used 76.28M")
+               and "stand-in (1, 2048, 1, 2048)†" in n for n in text)
