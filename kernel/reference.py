@@ -93,3 +93,77 @@ def ragged_paged_attention(queries, keys, values, kv_cache, kv_lens, page_indice
                 w /= w.sum()
                 out[q0 + t, hq] = w @ V[:, h]
     return out.astype(q_all.dtype), cache
+
+
+def ragged_paged_attention_fast(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens,
+                                distribution, *, sm_scale=1.0, sliding_window=None, soft_cap=None,
+                                q_scale=None, k_scale=None, v_scale=None, **_ignored):
+    """``ragged_paged_attention`` with the per-token and per-head loops as NumPy array ops
+    (one Python iteration per sequence, and per chunk of its query tokens): the same cache
+    update bit for bit, the same attention up to float summation order. For the tuner's
+    correctness check, where the loop form costs seconds to minutes per workload; the loop
+    form stays the judge of both (tests/test_device_path.py)."""
+    q_all = np.asarray(queries)
+    k_all = np.asarray(keys)
+    v_all = np.asarray(values)
+    cache = np.array(kv_cache)  # a copy, updated below
+    kv_lens = np.asarray(kv_lens)
+    page_indices = np.asarray(page_indices)
+    cu = np.asarray(cu_q_lens)
+    num_seqs = int(np.asarray(distribution)[2])
+    T, Hq, D = q_all.shape
+    Hkv = k_all.shape[1]
+    group = Hq // Hkv
+    page_size, pack = cache.shape[1], cache.shape[3]
+    pages_per_seq = page_indices.shape[0] // kv_lens.shape[0]
+    heads = np.arange(Hkv)
+    k_row, k_lane = (2 * heads) // pack, (2 * heads) % pack          # K of head h is combined head 2h
+    v_row, v_lane = (2 * heads + 1) // pack, (2 * heads + 1) % pack  # V is 2h + 1
+
+    out = np.zeros((T, Hq, D), np.float32)
+    for s in range(num_seqs):
+        q0, q1 = int(cu[s]), int(cu[s + 1])
+        q_len, kv_len = q1 - q0, int(kv_lens[s])
+        ctx = kv_len - q_len
+        pages = page_indices[s * pages_per_seq:(s + 1) * pages_per_seq]
+        # 1. the new tokens' slots: zeroed whole, then K and V of each head written
+        pos = np.arange(ctx, kv_len)
+        pg, row = pages[pos // page_size].astype(np.int64), pos % page_size
+        cache[pg, row] = 0
+        cache[pg[:, None], row[:, None], k_row[None], k_lane[None], :D] = _to_dtype(k_all[q0:q1], cache.dtype, k_scale)
+        cache[pg[:, None], row[:, None], v_row[None], v_lane[None], :D] = _to_dtype(v_all[q0:q1], cache.dtype, v_scale)
+        # 2. K, V of positions [0, kv_len) from the updated cache, dequantized: (Hkv, kv_len, D)
+        pos = np.arange(kv_len)
+        pg, row = pages[pos // page_size].astype(np.int64), pos % page_size
+        K = cache[pg[:, None], row[:, None], k_row[None], k_lane[None], :D].astype(np.float32).transpose(1, 0, 2)
+        V = cache[pg[:, None], row[:, None], v_row[None], v_lane[None], :D].astype(np.float32).transpose(1, 0, 2)
+        if k_scale is not None:
+            K *= np.float32(k_scale)
+        if v_scale is not None:
+            V *= np.float32(v_scale)
+        # 3. attention, a chunk of query tokens at a time (bounded memory for long prompts)
+        chunk = max(1, (1 << 24) // max(1, Hq * kv_len))
+        for t0 in range(0, q_len, chunk):
+            t1 = min(q_len, t0 + chunk)
+            n = t1 - t0
+            q = q_all[q0 + t0:q0 + t1].astype(np.float32)
+            if q_scale is not None:
+                q = _to_dtype(q, cache.dtype, q_scale).astype(np.float32) * np.float32(q_scale)
+            q = q.reshape(n, Hkv, group, D).transpose(1, 0, 2, 3).reshape(Hkv, n * group, D)
+            logits = np.matmul(q, K.transpose(0, 2, 1))                             # (Hkv, n*group, kv_len)
+            logits *= np.float32(sm_scale)
+            if soft_cap is not None:
+                np.divide(logits, np.float32(soft_cap), out=logits)
+                np.tanh(logits, out=logits)
+                logits *= np.float32(soft_cap)
+            pos_q = (ctx + np.arange(t0, t1))[:, None]                              # (n, 1)
+            hidden = pos > pos_q
+            if sliding_window is not None:
+                hidden |= pos <= pos_q - sliding_window
+            np.copyto(logits.reshape(Hkv, n, group, kv_len), -np.inf, where=hidden[None, :, None, :])
+            logits -= logits.max(axis=-1, keepdims=True)
+            np.exp(logits, out=logits)
+            logits /= logits.sum(axis=-1, keepdims=True)
+            o = np.matmul(logits, V)                                                # (Hkv, n*group, D)
+            out[q0 + t0:q0 + t1] = o.reshape(Hkv, n, group, D).transpose(1, 0, 2, 3).reshape(n, Hq, D)
+    return out.astype(q_all.dtype), cache

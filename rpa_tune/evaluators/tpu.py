@@ -1,27 +1,33 @@
 """``tpu`` backend: time one config on a real TPU.
 
-Per config: build the workload's inputs (``kernel.workload.make_inputs``, seeded) on the
-device; jit ``kernel.ragged_paged_attention`` with the case's block sizes and an explicit
-``vmem_limit_bytes`` (same policy as the compile backend: the kernel's default, raised
-to the compiler's reported need after a scoped-limit OOM); compile once (compile time
-recorded); warm up; then time calls, each blocked on its result. The KV cache argument
-is donated, so every call is fed the cache the previous call returned. Before timing, the
-first call's output and updated cache are compared with ``kernel.reference`` (same rule as
-the interpret backend); a mismatch is ``wrong_result``.
+Per config: build the workload's inputs (``kernel.workload.make_inputs``, seeded) and the
+kernel's call (``device_arguments``: ``TunedKernel.device_call``, the same keyword
+arguments the estimator lowers the kernel with; for ours the other two cases take the
+heuristic's block sizes, never a table's or ``RPA_*``); jit it with an explicit
+``vmem_limit_bytes`` (same policy as the compile backend: the kernel's default, raised to
+the compiler's reported need after a scoped-limit OOM); compile once (compile time
+recorded); warm up; then time calls, each blocked on its result. The KV cache argument is
+donated, so every call is fed the cache the previous call returned. Before timing, the
+first call's output and updated cache are compared with ``kernel.reference`` (its
+vectorised form, computed once per workload in the process; same rule as the interpret
+backend); a mismatch is ``wrong_result``.
 
-Host wall-clock per call is used when the median call takes at least
-``DEVICE_TIME_BELOW_S`` (1 ms); shorter calls are dominated by dispatch overhead, so the
-kernel's device time is read from a profiler trace (``jax.profiler.trace``; the
-``XLA Ops`` events of the kernel's custom call on the TPU plane). The row reports the
-median, the relative spread (IQR / median) and the number of samples.
+One timing method for the whole sweep (``timing_method``, never chosen per config): the
+kernel's device time read by name from a profiler trace (``jax.profiler.trace``; the ``XLA
+Ops`` events of the kernel on the TPU plane), or, as the stated fallback where no trace can
+be read, host wall clock per call (``$RPA_TUNE_TPU_TIMING=wallclock``). A config whose trace
+holds no kernel event is not timed (``crash``, disqualifying nothing), never timed the other
+way. The row reports the median, the spread relative to it (IQR / median) and the number of
+samples; its message names the method.
 
 Only one process can own a TPU, so the engine runs this backend with one worker.
 
-tpu-inference's RPA v3 (task kernel ``tpu-inference``) is timed the same way, called with
-the same arguments (its KV layout is ours), its scoped VMEM limit its own default (all of
+tpu-inference's RPA v3 (task kernel ``tpu-inference``) is timed the same way (its KV
+layout is ours), its scoped VMEM limit its own default (all of
 VMEM), and checked against the same reference. Its device events are those named like its
 pallas_call for the case (``RPA<d|p|m>-p_<page>-bq_<bq>_<cq>-bkv_...``, from its source; not
-checked without a TPU: if none match, the wall-clock is kept and the row says so).
+checked without a TPU). It is called with ``chunk_prefill_size`` for prefill (its prefill
+kernel runs only then) and the new K/V in the cache's dtype (it requires them so).
 """
 from __future__ import annotations
 
@@ -43,7 +49,6 @@ from kernel.config import get_generation
 from . import base
 from .base import EvalResult, Evaluator, Task
 
-DEVICE_TIME_BELOW_S = 1e-3
 WARMUP = 3
 MIN_ITERS, MAX_ITERS, TARGET_TIMING_S = 20, 1000, 1.0
 
@@ -130,6 +135,88 @@ def trace_device_times(step, n: int, name_prefix: str) -> list[float]:
         return device_times_from_profile(ProfileData.from_file(files[-1]), name_prefix)
 
 
+# ------------------------------------------------------------------ timing method
+TIMING_ENV = "RPA_TUNE_TPU_TIMING"
+TRACE, WALLCLOCK = "trace", "wallclock"
+
+
+class NoDeviceEvents(RuntimeError):
+    """The profiler trace holds no event of the kernel (the trace timing cannot time it)."""
+
+
+def _env_timing() -> str:
+    return (os.environ.get(TIMING_ENV) or TRACE).strip().lower()
+
+
+def timing_method() -> str:
+    """How every config of a sweep is timed (one method for a whole key, never chosen per
+    config): ``trace`` (default), the kernel's device time read by name from a profiler
+    trace; ``wallclock`` (``$RPA_TUNE_TPU_TIMING=wallclock``), host wall clock per call
+    blocked on its result, the stated fallback where no trace can be read. The method tags
+    the evaluator version (``TpuEvaluator.version``), so rows of the two never stand side
+    by side in a key."""
+    t = _env_timing()
+    if t not in (TRACE, WALLCLOCK):
+        raise ValueError(f"{TIMING_ENV}={t!r}: valid values are {TRACE}, {WALLCLOCK}")
+    return t
+
+
+def measure(step, timing: str, prefix: str, *, trace=None, timer=time.perf_counter) -> tuple[TimingStats, str]:
+    """Time ``step`` by ``timing`` (``timing_method``): ``(statistics, how)``. Trace timing:
+    wall-clock calls first (they size the sample), then as many traced calls, whose device
+    events named ``prefix`` are the samples; none raises ``NoDeviceEvents``."""
+    trace = trace_device_times if trace is None else trace
+    times = time_calls(step, timer=timer)
+    if timing == WALLCLOCK:
+        return summarize_times(times), f"timing {WALLCLOCK}: host wall clock per call (blocked on the result; " \
+                                       f"{TIMING_ENV}={WALLCLOCK}, the whole sweep)"
+    if timing != TRACE:
+        raise ValueError(f"unknown timing {timing!r}")
+    dev_times = trace(step, max(MIN_ITERS, min(len(times), 200)), prefix)
+    if not dev_times:
+        raise NoDeviceEvents(f"no device events named {prefix}* in the profiler trace: not timed (no per-config "
+                             f"fallback); time the whole sweep by wall clock with {TIMING_ENV}={WALLCLOCK}")
+    return summarize_times(dev_times), f"timing {TRACE}: device time of {prefix}* from a profiler trace"
+
+
+# ------------------------------------------------------------------ call arguments, reference
+ARG_ORDER = ("queries", "keys", "values", "kv_cache", "kv_lens", "page_indices", "cu_q_lens", "distribution")
+
+
+def device_arguments(task: Task, kern, capacity: int):
+    """``(DeviceCall, inputs)`` of ``task`` on the device: the kernel's call with the same
+    keyword arguments its estimate is lowered with (``TunedKernel.device_call``; for ours
+    the other cases padded for the heuristic's sizes, never a table's or an override's),
+    and the seeded inputs (NumPy) with the new K/V in the dtype the call requires."""
+    from kernel.workload import make_inputs
+    dc = kern.device_call(task.case, task.bs, task.limits.page_size, capacity, task=task)
+    inp = make_inputs(task.model, task.limits, task.workload, seed=task.seed)
+    if dc.new_kv_dtype is not None and np.dtype(dc.new_kv_dtype) != inp["keys"].dtype:
+        from kernel.reference import _to_dtype
+        for k in ("keys", "values"):
+            inp[k] = _to_dtype(inp[k], np.dtype(dc.new_kv_dtype), None)
+    return dc, inp
+
+
+_REFERENCE_CACHE: dict = {}
+
+
+def reference_output(task: Task, inp: dict):
+    """``kernel.reference`` (its vectorised form) of ``task``'s inputs, computed once per
+    workload, seed, shape and attention options in this process (every config of a key
+    shares it)."""
+    import dataclasses as dc_
+    from kernel.reference import ragged_paged_attention_fast
+    k = (dc_.astuple(task.model), dc_.astuple(task.limits), task.workload, task.seed, task.sliding_window,
+         task.soft_cap, str(inp["keys"].dtype))
+    if k not in _REFERENCE_CACHE:
+        _REFERENCE_CACHE.clear()          # one workload at a time: a key's configs come together
+        _REFERENCE_CACHE[k] = ragged_paged_attention_fast(
+            **inp, sm_scale=task.model.head_dim ** -0.5, sliding_window=task.sliding_window,
+            soft_cap=task.soft_cap)
+    return _REFERENCE_CACHE[k]
+
+
 # ------------------------------------------------------------------ TPU detection
 def _accelerator_nodes() -> list[str]:
     return sorted(glob.glob("/dev/accel*") + glob.glob("/dev/vfio/[0-9]*"))
@@ -170,17 +257,16 @@ def tpu_generation_present(probe: dict) -> str | None:
 class TpuEvaluator(Evaluator):
     name = "tpu"
     method = "measured"
-    version = "2"
+    # 3: one timing method per sweep (tagged: a key's rows never mix the two), heuristic
+    # padding of the other cases, the estimator's call arguments, relative spread
+    version = "3" + ("" if _env_timing() == TRACE else f"-{WALLCLOCK}")
 
     def evaluate(self, task: Task) -> EvalResult:
         import jax
         import jax.numpy as jnp
-        import kernel
         from kernel.analysis import parse_vmem_oom
         from kernel.hardware import tpu_info
-        from kernel.workload import make_inputs
         from .. import prefilter
-        from .interpret import block_sizes_arg
 
         dev = jax.devices()[0]
         if dev.platform != "tpu":
@@ -192,24 +278,21 @@ class TpuEvaluator(Evaluator):
         cap = int(tpu_info(task.generation).vmem_capacity_bytes)
         predicted = task.vmem_predicted_bytes or prefilter.predicted_bytes(task.model, task.limits, task.bs, task.case)
         limit = base.initial_vmem_limit(predicted, cap)
-        inp = make_inputs(task.model, task.limits, task.workload, seed=task.seed)
-        order = ("queries", "keys", "values", "kv_cache", "kv_lens", "page_indices", "cu_q_lens", "distribution")
-        args = [jax.device_put(jnp.asarray(inp[k]), dev) for k in order]
-        sm_scale = task.model.head_dim ** -0.5
-        notes = []
-        compile_s = None
+        try:
+            timing = timing_method()
+        except ValueError as e:
+            return EvalResult(base.COMPILE_ERROR, self.method, device_kind=dev.device_kind, message=str(e))
         from ..kernels import get_kernel
         kern = get_kernel(task.kernel)
-        dc = kern.device_call(task.case, task.bs, task.limits.page_size, cap)    # the serving signature
+        dc, inp = device_arguments(task, kern, cap)
+        args = [jax.device_put(jnp.asarray(inp[k]), dev) for k in ARG_ORDER]
+        notes = []
+        compile_s = None
         call, prefix = dc.fn, dc.prefix
         if dc.vmem_limit_bytes is not None:
             limit = dc.vmem_limit_bytes
         while True:
-            fn = jax.jit(functools.partial(call, sm_scale=sm_scale,
-                                           sliding_window=task.sliding_window, soft_cap=task.soft_cap,
-                                           vmem_limit_bytes=limit,
-                                           **{block_sizes_arg(task.case): tuple(task.bs)}),
-                         donate_argnums=(3,))
+            fn = jax.jit(functools.partial(call, vmem_limit_bytes=limit, **dc.kwargs), donate_argnums=(3,))
             t0 = time.perf_counter()
             try:
                 compiled = fn.lower(*args).compile()
@@ -233,9 +316,7 @@ class TpuEvaluator(Evaluator):
         # device before it is timed: a wrong config is recorded as wrong_result and never
         # wins.
         from .interpret import reference_mismatches
-        ref_out, ref_cache = kernel.reference.ragged_paged_attention(**inp, sm_scale=sm_scale,
-                                                                     sliding_window=task.sliding_window,
-                                                                     soft_cap=task.soft_cap)
+        ref_out, ref_cache = reference_output(task, inp)
         out0, cache0 = compiled(*args)
         problems = reference_mismatches(out0, cache0, ref_out, ref_cache, task.workload.num_tokens,
                                         task.model.kv_dtype)
@@ -249,16 +330,12 @@ class TpuEvaluator(Evaluator):
             out, state["cache"] = compiled(*args[:3], state["cache"], *args[4:])
             jax.block_until_ready((out, state["cache"]))
 
-        times = time_calls(step)
-        how = "host wall-clock per call (blocked on the result)"
-        stats = summarize_times(times)
-        if stats.median < DEVICE_TIME_BELOW_S:
-            dev_times = trace_device_times(step, min(len(times), 200), prefix)
-            if dev_times:
-                stats = summarize_times(dev_times)
-                how = f"device time of {prefix} from a profiler trace (host overhead would dominate)"
-            else:
-                notes.append("no kernel events in the profiler trace; wall-clock kept")
+        try:
+            stats, how = measure(step, timing, prefix)
+        except NoDeviceEvents as e:
+            # never a per-config fallback: the key's configs are all timed one way
+            return EvalResult(base.CRASH, self.method, compile_s=compile_s, vmem_limit_bytes=limit,
+                              device_kind=dev.device_kind, message="; ".join(notes + [str(e)]))
         return timed_result(stats, how=how, notes=notes, task=task, compile_s=compile_s,
                             vmem_limit_bytes=limit, device_kind=dev.device_kind)
 

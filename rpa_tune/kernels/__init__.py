@@ -43,13 +43,18 @@ class ProbePlan:
 
 @dataclasses.dataclass(frozen=True)
 class DeviceCall:
-    """How the TPU evaluator calls a kernel: the function (the serving signature), the
-    kernel-name prefix its device trace is read by, and the scoped VMEM limit to call it
-    with (None: the tuner's own limit search)."""
+    """How the TPU evaluator calls a kernel, in one place: the function (the serving
+    signature), the kernel-name prefix its device trace is read by, the scoped VMEM limit
+    to call it with (None: the tuner's own limit search), the keyword arguments of the call
+    (``kwargs``: the attention options and the block sizes of every case, the same the
+    estimator lowers the kernel with; the VMEM limit is passed apart) and the dtype the new
+    tokens' K/V are passed in (``new_kv_dtype``; None: as ``kernel.workload.make_inputs``
+    builds them, the queries' dtype)."""
     fn: object
     prefix: str
     vmem_limit_bytes: int | None = None
     kwargs: dict = dataclasses.field(default_factory=dict)
+    new_kv_dtype: str | None = None
 
 
 class TunedKernel:
@@ -125,7 +130,9 @@ class TunedKernel:
         return 0.0
 
     # -- device ------------------------------------------------------------------------------
-    def device_call(self, case: str, bs: BlockSizes, page_size: int, capacity: int) -> DeviceCall:
+    def device_call(self, case: str, bs: BlockSizes, page_size: int, capacity: int, *, task=None) -> DeviceCall:
+        """The device call of ``bs`` for ``case``; with ``task`` (``evaluators.base.Task``),
+        its complete keyword arguments for the task's key and workload."""
         raise NotImplementedError
 
     def __repr__(self) -> str:

@@ -80,9 +80,30 @@ class Ours(TunedKernel):
         from ..estimator.compose import composition_error
         return composition_error(case, bs, evaluator_version)
 
-    def device_call(self, case: str, bs: BlockSizes, page_size: int, capacity: int) -> DeviceCall:
+    def device_call(self, case: str, bs: BlockSizes, page_size: int, capacity: int, *, task=None) -> DeviceCall:
         import kernel
-        return DeviceCall(kernel.ragged_paged_attention, f"rpa_{case}_{bs.label()}")
+        kw = {} if task is None else device_kwargs(task)
+        return DeviceCall(kernel.ragged_paged_attention, f"rpa_{case}_{bs.label()}", kwargs=kw)
+
+
+def device_kwargs(task) -> dict:
+    """The keyword arguments of our kernel's device call for ``task``: the attention options,
+    the task's block sizes for its case and the heuristic's for the other two, computed for
+    the call's own shapes (as the estimator's ``heuristic_only`` build resolves them: never
+    ``RPA_{D,P,M}_BLOCK_SIZES`` or a table, which would make the timed program depend on
+    the tables of the process timing it)."""
+    from kernel.analysis import _dims
+    from kernel.api import _resolve
+    own = Case.parse(task.case)
+    dims = _dims(task.model, task.limits, 0)
+    gen = get_generation(task.generation).name
+    kw = dict(sm_scale=task.model.head_dim ** -0.5, sliding_window=task.sliding_window, soft_cap=task.soft_cap)
+    for c, arg in ((Case.DECODE, "d_block_sizes"), (Case.PREFILL, "p_block_sizes"), (Case.MIXED, "m_block_sizes")):
+        bs = task.bs if c == own else _resolve(c, None, generation=gen, dims=dims,
+                                               sliding_window=task.sliding_window is not None,
+                                               heuristic_only=True)[0]
+        kw[arg] = tuple(int(v) for v in bs)
+    return kw
 
 
 KERNEL = Ours()

@@ -62,11 +62,46 @@ class TpuInference(TunedKernel):
         tags = [("public_audit", "page-bound")] + ([("walk_new", True)] if walk_new else [])
         return ProbePlan(skip_dead_chunks=True, walk_new=walk_new, page_bound_audit=True, cache_tags=tuple(tags))
 
-    def device_call(self, case: str, bs: BlockSizes, page_size: int, capacity: int) -> DeviceCall:
+    def device_call(self, case: str, bs: BlockSizes, page_size: int, capacity: int, *, task=None) -> DeviceCall:
         from ..public_kernel import load_kernel_module
+        kw, kv_dtype = ({}, None) if task is None else (device_kwargs(task), task.model.kv_dtype)
         return DeviceCall(load_kernel_module().ragged_paged_attention,
                           f"RPA{case[0]}-p_{page_size}-bq_{bs.bq}_{bs.cq}-bkv_",
-                          vmem_limit_bytes=capacity)     # its own default: all of VMEM
+                          vmem_limit_bytes=capacity,     # its own default: all of VMEM
+                          kwargs=kw, new_kv_dtype=kv_dtype)   # it requires K/V in the cache's dtype
+
+
+def chunk_prefill_size(case, workload) -> int | None:
+    """The public kernel's ``chunk_prefill_size`` for ``case`` of ``workload``: its prefill
+    kernel is launched only when it is given, and runs fixed-size chunks, so every prefill
+    sequence must have the same ``q_len`` (it is that length); None for the other cases."""
+    if Case.parse(case) != Case.PREFILL:
+        return None
+    lo, hi = workload.case_range(Case.PREFILL)
+    q = set(workload.q_lens[lo:hi])
+    if len(q) != 1:
+        raise ValueError(f"the public kernel's prefill case is fixed-size chunks: every prefill "
+                         f"sequence needs the same q_len, got {sorted(q)}")
+    return q.pop()
+
+
+def device_kwargs(task) -> dict:
+    """The keyword arguments of the public kernel's device call for ``task``: those the
+    estimator lowers it with (``rpa_tune.estimator.public.lower``: ``sm_scale``,
+    ``chunk_prefill_size``, the case's block sizes, None for the other cases (its own
+    defaults), ``sliding_window`` / ``soft_cap`` when the key has them), without the
+    estimator's deviceless-only choices (``update_kv_cache=False``, half of VMEM)."""
+    case = Case.parse(task.case)
+    bst = tuple(int(v) for v in task.bs)
+    kw = dict(sm_scale=task.model.head_dim ** -0.5, chunk_prefill_size=chunk_prefill_size(case, task.workload),
+              d_block_sizes=bst if case == Case.DECODE else None,
+              p_block_sizes=bst if case == Case.PREFILL else None,
+              m_block_sizes=bst if case == Case.MIXED else None)
+    if task.sliding_window is not None:
+        kw["sliding_window"] = int(task.sliding_window)
+    if task.soft_cap is not None:
+        kw["soft_cap"] = float(task.soft_cap)
+    return kw
 
 
 def public_block_size_errors(bs: BlockSizes, page_size: int) -> list[str]:
