@@ -72,7 +72,9 @@ def abstract_inputs(model: ModelShape, limits: ServingLimits, tpu: str | None,
     )
 
 
-def _dims(model: ModelShape, limits: ServingLimits, num_pages: int) -> dict:
+def serving_dims(model: ModelShape, limits: ServingLimits, num_pages: int = 0) -> dict:
+    """The dims of a serving call of ``model`` within ``limits`` (what ``kernel.api`` resolves
+    block sizes and VMEM from); ``num_pages``: the cache's pages."""
     return dict(max_num_tokens=limits.max_num_tokens, num_q_heads=model.num_q_heads,
                 num_kv_heads=model.num_kv_heads, head_dim=model.head_dim, num_pages=num_pages,
                 page_size=limits.page_size, max_num_seqs=limits.max_num_seqs,
@@ -107,7 +109,7 @@ def lower_deviceless(model: ModelShape, limits: ServingLimits, tpu: str, block_s
     from .api import _rpa_jit, build_options, prepare_inputs, run_cases
     cases = tuple(Case.parse(c).value for c in cases)
     args = abstract_inputs(model, limits, tpu, num_pages)
-    dims = _dims(model, limits, args["kv_cache"].shape[0])
+    dims = serving_dims(model, limits, args["kv_cache"].shape[0])
     options = build_options(dims, get_generation(tpu).name, _block_dict(block_sizes),
                             vmem_limit_bytes=vmem_limit_bytes, static_meta=static_meta,
                             cases=cases, heuristic_only=heuristic_only, new_kv_in_vmem=new_kv_in_vmem,

@@ -99,6 +99,14 @@ def _heuristic_cached(case, generation, num_q_heads, num_kv_heads, head_dim, pag
         chunk_prefill_size=chunk_prefill_size, q_dtype=q_dtype, kv_dtype=kv_dtype)
 
 
+def heuristic_block_sizes_for(case: Case, *, generation: str, dims: dict, sliding_window: bool = False,
+                              chunk_prefill_size=None) -> BlockSizes:
+    """The heuristic's block sizes for ``case`` of a call with ``dims``: what a case without
+    explicit sizes gets in a program built ``heuristic_only`` (never an override or a table)."""
+    return _resolve(Case.parse(case), None, generation=generation, dims=dims, chunk_prefill_size=chunk_prefill_size,
+                    sliding_window=sliding_window, heuristic_only=True)[0]
+
+
 def kv_bytes_per_token(dims: dict) -> int:
     """``kernel.config.kv_bytes_per_token`` of a call's dims."""
     return config_kv_bytes_per_token(dims["num_kv_heads"], dims["head_dim"], dims["kv_dtype"])

@@ -160,14 +160,14 @@ def _local_args(model: ModelShape, limits: ServingLimits, num_pages: int, commit
 
 def _compile_one(model, limits, *, generation, deviceless, num_pages, cases, block_sizes, attn,
                  interpret, verified_dir, committed=True) -> Variant:
-    from .analysis import _dims, abstract_inputs
+    from .analysis import abstract_inputs, serving_dims
     from .api import _rpa_jit, build_options, resolve_block_sizes
     v = Variant(bucket=limits.max_num_tokens, cases=tuple(cases), block_sizes=())
     try:
         t0 = time.perf_counter()
         args = (abstract_inputs(model, limits, generation, num_pages) if deviceless
                 else _local_args(model, limits, num_pages, committed))
-        dims = _dims(model, limits, args["kv_cache"].shape[0])
+        dims = serving_dims(model, limits, args["kv_cache"].shape[0])
         explicit = {Case.parse(k): val for k, val in (block_sizes or {}).items()}
         sw = attn.get("sliding_window")
         v.block_sizes = tuple(

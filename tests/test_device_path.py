@@ -162,7 +162,7 @@ def test_our_device_call_pads_the_other_cases_for_the_heuristic(case, monkeypatc
     take the heuristic's sizes (the kernel itself would resolve the overrides)."""
     from kernel import tables as kt
     from kernel.api import resolve_block_sizes
-    from kernel.analysis import _dims
+    from kernel.analysis import serving_dims
     env = {"decode": "8,1024,8,256", "prefill": "128,1024,64,512", "mixed": "64,512,64,256"}
     for c, v in env.items():
         monkeypatch.setenv(ARG[c][0].upper().join(["RPA_", "_BLOCK_SIZES"]), v)
@@ -173,7 +173,7 @@ def test_our_device_call_pads_the_other_cases_for_the_heuristic(case, monkeypatc
         dc, inp = tpu.device_arguments(_task(case), get_kernel("rpa-tune"), 128 << 20)
         for c in ("decode", "prefill", "mixed"):
             # the kernel, called without them, would take the override
-            got, src = resolve_block_sizes(Case.parse(c), None, generation="v6e", dims=_dims(MODEL, LIMITS, 0))
+            got, src = resolve_block_sizes(Case.parse(c), None, generation="v6e", dims=serving_dims(MODEL, LIMITS))
             assert src.startswith("env:") and tuple(got) == tuple(map(int, env[c].split(",")))
             want = tuple(OWN[c]) if c == case else _heuristic(c)
             assert dc.kwargs[ARG[c]] == want, c
@@ -308,11 +308,11 @@ def test_our_device_call_passes_the_estimator_build_options(case):
     """Ours: the device call's block sizes are what the estimator's build
     (``kernel.api.build_options(..., heuristic_only=True)``) resolves for the call's shapes,
     and its attention options are the task's."""
-    from kernel.analysis import _dims
+    from kernel.analysis import serving_dims
     from kernel.api import build_options
     task = _task(case, sw=128, cap=20.0)
     dc, _ = tpu.device_arguments(task, get_kernel("rpa-tune"), 128 << 20)
-    opts = build_options(_dims(MODEL, LIMITS, 0), "v6e", {Case.parse(case): task.bs}, heuristic_only=True,
+    opts = build_options(serving_dims(MODEL, LIMITS), "v6e", {Case.parse(case): task.bs}, heuristic_only=True,
                          sm_scale=MODEL.head_dim ** -0.5, sliding_window=128, soft_cap=20.0)
     assert tuple(dc.kwargs[ARG[c]] for c in ("decode", "prefill", "mixed")) == tuple(map(tuple, opts.block_sizes))
     assert (dc.kwargs["sm_scale"], dc.kwargs["sliding_window"], dc.kwargs["soft_cap"]) == \

@@ -92,16 +92,15 @@ def device_kwargs(task) -> dict:
     the call's own shapes (as the estimator's ``heuristic_only`` build resolves them: never
     ``RPA_{D,P,M}_BLOCK_SIZES`` or a table, which would make the timed program depend on
     the tables of the process timing it)."""
-    from kernel.analysis import _dims
-    from kernel.api import _resolve
+    from kernel.analysis import serving_dims
+    from kernel.api import heuristic_block_sizes_for
     own = Case.parse(task.case)
-    dims = _dims(task.model, task.limits, 0)
+    dims = serving_dims(task.model, task.limits)
     gen = get_generation(task.generation).name
     kw = dict(sm_scale=task.model.head_dim ** -0.5, sliding_window=task.sliding_window, soft_cap=task.soft_cap)
     for c, arg in ((Case.DECODE, "d_block_sizes"), (Case.PREFILL, "p_block_sizes"), (Case.MIXED, "m_block_sizes")):
-        bs = task.bs if c == own else _resolve(c, None, generation=gen, dims=dims,
-                                               sliding_window=task.sliding_window is not None,
-                                               heuristic_only=True)[0]
+        bs = task.bs if c == own else heuristic_block_sizes_for(c, generation=gen, dims=dims,
+                                                                sliding_window=task.sliding_window is not None)
         kw[arg] = tuple(int(v) for v in bs)
     return kw
 
