@@ -22,6 +22,10 @@ samples; its message names the method.
 
 Only one process can own a TPU, so the engine runs this backend with one worker.
 
+Test only: ``$RPA_TUNE_FAKE_TPU`` names a stand-in device (``fake_device``; CI's is
+``tests/fake_tpu.py``) that the device probe reports and this evaluator runs on, the one
+seam by which the whole path is exercised on CPU. Unset on a TPU VM.
+
 tpu-inference's RPA v3 (task kernel ``tpu-inference``) is timed the same way (its KV
 layout is ours), its scoped VMEM limit its own default (all of
 VMEM), and checked against the same reference. Its device events are those named like its
@@ -217,6 +221,29 @@ def reference_output(task: Task, inp: dict):
     return _REFERENCE_CACHE[k]
 
 
+# ------------------------------------------------------------------ stand-in device (tests only)
+FAKE_ENV = "RPA_TUNE_FAKE_TPU"
+
+
+def fake_device():
+    """TEST ONLY: the stand-in device named by ``$RPA_TUNE_FAKE_TPU`` (``module:attr``, a
+    factory called with no argument), or None (the real device: always so outside tests).
+    The stand-in is the one seam through which CI runs ``--backend tpu`` on CPU
+    (``tests/fake_tpu.py``): it has ``generation``, ``device_kind`` and ``platform``
+    (``"tpu"``, as the real device reports it), ``device()`` (the JAX device the inputs are
+    put on), ``device_call(dc, task)`` (the call it can run in place of ``dc``),
+    ``trace(step, n, prefix)`` (the trace reader's samples) and ``step(step)`` (the
+    timing loop's call). Nothing else of this evaluator changes under it."""
+    spec = (os.environ.get(FAKE_ENV) or "").strip()
+    if not spec:
+        return None
+    import importlib
+    module, _, attr = spec.partition(":")
+    if not module or not attr:
+        raise ValueError(f"{FAKE_ENV}={spec!r}: expected module:factory (test only)")
+    return getattr(importlib.import_module(module), attr)()
+
+
 # ------------------------------------------------------------------ TPU detection
 def _accelerator_nodes() -> list[str]:
     return sorted(glob.glob("/dev/accel*") + glob.glob("/dev/vfio/[0-9]*"))
@@ -225,7 +252,12 @@ def _accelerator_nodes() -> list[str]:
 def probe_devices(timeout: float = 180) -> dict:
     """``{"platform", "device_kind", "count"}`` of JAX's default backend, probed in a child
     process so this process never holds the TPU. Without accelerator device nodes
-    (``/dev/accel*``, ``/dev/vfio/N``) there is no TPU and no probe is run."""
+    (``/dev/accel*``, ``/dev/vfio/N``) there is no TPU and no probe is run. Under the
+    test-only ``$RPA_TUNE_FAKE_TPU`` the stand-in device is reported."""
+    fake = fake_device()
+    if fake is not None:
+        return {"platform": fake.platform, "device_kind": fake.device_kind, "count": 1, "probed": False,
+                "fake": True}
     if not _accelerator_nodes():
         return {"platform": "cpu", "device_kind": "cpu", "count": 0, "probed": False}
     code = ("import json, jax; d = jax.devices(); "
@@ -268,23 +300,28 @@ class TpuEvaluator(Evaluator):
         from kernel.hardware import tpu_info
         from .. import prefilter
 
-        dev = jax.devices()[0]
-        if dev.platform != "tpu":
-            return EvalResult(base.COMPILE_ERROR, self.method, message=f"no TPU here (platform {dev.platform})")
-        here = get_generation(dev.device_kind).name
+        fake = fake_device()              # tests only (``fake_device``); None on a real TPU
+        dev = jax.devices()[0] if fake is None else fake.device()
+        platform, device_kind = (dev.platform, dev.device_kind) if fake is None else (fake.platform,
+                                                                                          fake.device_kind)
+        if platform != "tpu":
+            return EvalResult(base.COMPILE_ERROR, self.method, message=f"no TPU here (platform {platform})")
+        here = get_generation(device_kind).name
         if here != task.generation:
-            return EvalResult(base.COMPILE_ERROR, self.method, device_kind=dev.device_kind,
-                              message=f"this TPU is {here} ({dev.device_kind}), the task is for {task.generation}")
+            return EvalResult(base.COMPILE_ERROR, self.method, device_kind=device_kind,
+                              message=f"this TPU is {here} ({device_kind}), the task is for {task.generation}")
         cap = int(tpu_info(task.generation).vmem_capacity_bytes)
         predicted = task.vmem_predicted_bytes or prefilter.predicted_bytes(task.model, task.limits, task.bs, task.case)
         limit = base.initial_vmem_limit(predicted, cap)
         try:
             timing = timing_method()
         except ValueError as e:
-            return EvalResult(base.COMPILE_ERROR, self.method, device_kind=dev.device_kind, message=str(e))
+            return EvalResult(base.COMPILE_ERROR, self.method, device_kind=device_kind, message=str(e))
         from ..kernels import get_kernel
         kern = get_kernel(task.kernel)
         dc, inp = device_arguments(task, kern, cap)
+        if fake is not None:
+            dc = fake.device_call(dc, task)
         args = [jax.device_put(jnp.asarray(inp[k]), dev) for k in ARG_ORDER]
         notes = []
         compile_s = None
@@ -308,7 +345,7 @@ class TpuEvaluator(Evaluator):
                         limit = new
                         continue
                 status = base.VMEM_OOM if oom else base.COMPILE_ERROR
-                return EvalResult(status, self.method, vmem_limit_bytes=limit, device_kind=dev.device_kind,
+                return EvalResult(status, self.method, vmem_limit_bytes=limit, device_kind=device_kind,
                                   vmem_reported_bytes=oom["used_bytes"] if oom else None,
                                   compile_s=time.perf_counter() - t0, message="; ".join(notes + [msg[-1500:]]))
         # The compiled kernel takes paths the interpreter cannot run (the strided uint32
@@ -322,7 +359,7 @@ class TpuEvaluator(Evaluator):
                                         task.model.kv_dtype)
         if problems:
             return EvalResult(base.WRONG_RESULT, self.method, compile_s=compile_s, vmem_limit_bytes=limit,
-                              device_kind=dev.device_kind, samples=1,
+                              device_kind=device_kind, samples=1,
                               message="; ".join(notes + problems + ["(checked on the device against kernel.reference)"]))
         state = {"cache": cache0}
 
@@ -331,13 +368,17 @@ class TpuEvaluator(Evaluator):
             jax.block_until_ready((out, state["cache"]))
 
         try:
-            stats, how = measure(step, timing, prefix)
+            if fake is None:
+                stats, how = measure(step, timing, prefix)
+            else:
+                stats, how = measure(fake.step(step), timing, prefix, trace=fake.trace)
+                how += f" (stand-in device {fake.device_kind}: {FAKE_ENV})"
         except NoDeviceEvents as e:
             # never a per-config fallback: the key's configs are all timed one way
             return EvalResult(base.CRASH, self.method, compile_s=compile_s, vmem_limit_bytes=limit,
-                              device_kind=dev.device_kind, message="; ".join(notes + [str(e)]))
+                              device_kind=device_kind, message="; ".join(notes + [str(e)]))
         return timed_result(stats, how=how, notes=notes, task=task, compile_s=compile_s,
-                            vmem_limit_bytes=limit, device_kind=dev.device_kind)
+                            vmem_limit_bytes=limit, device_kind=device_kind)
 
 
 def timed_result(stats: TimingStats, *, how: str, notes=(), task: Task | None = None, **fields) -> EvalResult:
@@ -346,7 +387,11 @@ def timed_result(stats: TimingStats, *, how: str, notes=(), task: Task | None = 
     extra = {}
     if task is not None:
         from rpa_tune.estimator import audit
-        s = audit.time_model(0.0, task.workload, task.model, task.generation, task.case,
+        from rpa_tune.estimator.calibration import calibration
+        # the measured time as cycles at the calibrated clock: 0 cycles divided by zero in
+        # the model's rate note (found by the stand-in device's end-to-end test)
+        cycles = stats.median * calibration(task.generation).clock_hz
+        s = audit.time_model(cycles, task.workload, task.model, task.generation, task.case,
                              sliding_window=task.sliding_window)
         # the roofline's binding resource for this workload (the larger bound)
         extra = dict(memory_bound_s=s["memory_bound_s"], compute_bound_s=s["compute_bound_s"],

@@ -1,0 +1,148 @@
+"""TEST ONLY: a stand-in TPU for the ``tpu`` backend on CPU (issue #102, item 2).
+
+Named to the TPU evaluator by ``RPA_TUNE_FAKE_TPU=fake_tpu:<generation>`` (this directory on
+``PYTHONPATH``); ``rpa_tune.evaluators.tpu.fake_device`` is the one seam, read in the CLI's
+device probe and in the evaluator. What is real and what stands in:
+
+- the device: JAX's CPU device, reported as a TPU of the generation (its ``device_kind``);
+- our kernel: its own device call (``TunedKernel.device_call``, the evaluator's arguments)
+  run in the Pallas TPU interpreter (``interpret=True``); compiled, checked against the
+  reference and called by the evaluator as on a chip;
+- the public kernel (it cannot run in the interpreter): a jitted stand-in with its
+  signature that first checks the evaluator's call against the real function (every
+  keyword is a parameter of it, ``chunk_prefill_size`` given for prefill, the new K/V in
+  the cache's dtype), then computes the attention and cache update with
+  ``kernel.reference.ragged_paged_attention_fast`` (a host callback). Its correctness
+  check therefore holds the reference against itself: it tests the plumbing, not the kernel;
+- the profiler trace: a synthetic ``ProfileData``-shaped object (a host plane, a TPU plane
+  whose ``XLA Ops`` line holds the kernel's events named by the call's prefix among other
+  ops) read by the evaluator's own ``device_times_from_profile``. Each event's duration is
+  ``device_time(bs)`` times seeded noise of relative IQR ``REL_IQR``;
+- the timing loop's calls: the first runs the kernel; later ones return at once (an
+  interpreter call costs about a second, the loop makes 20+ of them per config).
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import math
+import types
+import zlib
+
+import numpy as np
+
+REL_IQR = 0.01          # relative IQR of the synthetic device samples (a TPU's is ~0.5-2 %)
+
+
+def device_time(bs) -> float:
+    """The stand-in's device time (s) of block sizes ``bs``: least at ``bkv = ckv = 128``
+    (``bq = 16, cq = 8`` for prefill / mixed), every factor of two away 5-12 % slower."""
+    m = 1.0 + 0.12 * abs(math.log2(bs.bkv / 128)) + 0.08 * abs(math.log2(bs.ckv / 128))
+    if bs.bq > 1:
+        m += 0.1 * abs(math.log2(bs.bq / 16)) + 0.05 * abs(math.log2(bs.cq / 8))
+    return 400e-6 * m
+
+
+def synthetic_profile(prefix_name: str, seconds: float, n: int, seed: int):
+    """A profile with ``n`` kernel events named ``prefix_name`` around ``seconds`` (normal
+    noise of relative IQR ``REL_IQR``), interleaved with other device ops and a host plane."""
+    rng = np.random.default_rng(seed)
+    d = seconds * (1 + rng.standard_normal(n) * REL_IQR / 1.349)
+    ev, t = [], 0
+    for i in range(n):
+        ev.append(types.SimpleNamespace(name="copy-start.3", start_ns=t, duration_ns=2000.0))
+        t += 3000
+        ev.append(types.SimpleNamespace(name=f"{prefix_name}.{i % 2}", start_ns=t, duration_ns=float(d[i] * 1e9)))
+        t += int(d[i] * 1e9) + 1000
+    ev.reverse()                 # the reader orders them by start
+    tpu = types.SimpleNamespace(name="/device:TPU:0", lines=[
+        types.SimpleNamespace(name="XLA Modules", events=[types.SimpleNamespace(name="jit_fn", start_ns=0,
+                                                                                duration_ns=float(t))]),
+        types.SimpleNamespace(name="XLA Ops", events=ev)])
+    other = types.SimpleNamespace(name="/device:TPU:1", lines=[types.SimpleNamespace(name="XLA Ops", events=[
+        types.SimpleNamespace(name=f"{prefix_name}.0", start_ns=0, duration_ns=1e9)])])
+    host = types.SimpleNamespace(name="/host:CPU", lines=[types.SimpleNamespace(name="python", events=[
+        types.SimpleNamespace(name=prefix_name, start_ns=0, duration_ns=5e9)])])
+    return types.SimpleNamespace(planes=[host, other, tpu])
+
+
+class PublicArgumentError(TypeError):
+    """The evaluator called the public kernel as the real one would refuse (or misread)."""
+
+
+def public_stand_in(real_fn, case: str, offset: float = 0.0):
+    """A function with the public kernel's call that checks its arguments against
+    ``real_fn`` and computes the reference's result (see the module doc), its output
+    shifted by ``offset`` (a wrong kernel, for the check)."""
+    params = inspect.signature(real_fn).parameters
+
+    def fn(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, distribution, **kw):
+        import jax
+        unknown = sorted(set(kw) - set(params))
+        if unknown:
+            raise PublicArgumentError(f"not parameters of the public kernel: {unknown}")
+        if case == "prefill" and not kw.get("chunk_prefill_size"):
+            raise PublicArgumentError("prefill without chunk_prefill_size: the public prefill kernel would not run")
+        if keys.dtype != kv_cache.dtype or values.dtype != kv_cache.dtype:
+            raise PublicArgumentError(f"new K/V in {keys.dtype}, the cache in {kv_cache.dtype}")
+        from kernel.reference import ragged_paged_attention_fast
+        opts = {k: kw.get(k) for k in ("sm_scale", "sliding_window", "soft_cap")}
+
+        def host(*a):
+            out, cache = ragged_paged_attention_fast(*a, **opts)
+            out = np.asarray(out, np.float32) + offset
+            return out.astype(queries.dtype), np.asarray(cache, kv_cache.dtype)
+        shapes = (jax.ShapeDtypeStruct(queries.shape, queries.dtype), jax.ShapeDtypeStruct(kv_cache.shape,
+                                                                                          kv_cache.dtype))
+        return jax.pure_callback(host, shapes, queries, keys, values, kv_cache, kv_lens, page_indices,
+                                 cu_q_lens, distribution)
+    return fn
+
+
+class FakeTpu:
+    platform = "tpu"
+
+    def __init__(self, generation: str, offset: float = 0.0):
+        from kernel.config import get_generation
+        g = get_generation(generation)
+        self.generation, self.device_kind = g.name, g.device_kind
+        self._bs = self._prefix = None
+        self.offset = offset
+
+    def device(self):
+        import jax
+        return jax.devices("cpu")[0]
+
+    def device_call(self, dc, task):
+        import dataclasses
+        self._bs, self._prefix = task.bs, dc.prefix
+        if task.kernel == "rpa-tune":
+            fn = functools.partial(dc.fn, interpret=True)
+        else:
+            fn = public_stand_in(dc.fn, task.case, self.offset)
+        return dataclasses.replace(dc, fn=fn)
+
+    def step(self, step):
+        done = []
+
+        def once():
+            if not done:
+                step()
+                done.append(1)
+        return once
+
+    def trace(self, step, n, prefix):
+        from rpa_tune.evaluators.tpu import device_times_from_profile
+        step()
+        seed = zlib.crc32(self._prefix.encode())
+        # the events are named as the device names them: the call's prefix and a suffix
+        return device_times_from_profile(synthetic_profile(self._prefix + "x", device_time(self._bs), n, seed),
+                                         prefix)
+
+
+def _factory(generation, offset=0.0):
+    return lambda: FakeTpu(generation, offset)
+
+
+v4, v5e, v5p, v6e, tpu7x = (_factory(g) for g in ("v4", "v5e", "v5p", "v6e", "tpu7x"))
+v6e_off = _factory("v6e", 1.0)       # the public stand-in's output off by 1 (wrong_result)
