@@ -173,6 +173,16 @@ def initial_vmem_limit(predicted_bytes: int, capacity: int) -> int:
     return int(default_vmem_limit(int(predicted_bytes), int(capacity)))
 
 
+def task_vmem_limit(task: "Task", kern, capacity: int) -> int:
+    """The scoped VMEM limit a task's first compile asks for: ``kern``'s
+    (``TunedKernel.compile_vmem_limit``) for the task's predicted scratch (the sweep's
+    prediction, else the kernel's own, ``TunedKernel.predicted_vmem_bytes``)."""
+    predicted = task.vmem_predicted_bytes
+    if predicted is None:
+        predicted = kern.predicted_vmem_bytes(task.model, task.limits, task.bs, task.case)
+    return kern.compile_vmem_limit(predicted, capacity)
+
+
 def raised_vmem_limit(reported_bytes: int, current_limit: int, capacity: int) -> int | None:
     """A larger limit to retry with after a scoped-limit OOM that reported
     ``reported_bytes``: 5% + 1 MiB headroom, MiB-aligned, at most the chip's capacity

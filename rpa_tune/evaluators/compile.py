@@ -67,10 +67,7 @@ class CompileEvaluator(Evaluator):
         kern = get_kernel(task.kernel)
         deadline = time.monotonic() + task.timeout
         cap = int(tpu_info(task.generation).vmem_capacity_bytes)
-        predicted = task.vmem_predicted_bytes
-        if predicted is None:
-            predicted = kern.predicted_vmem_bytes(task.model, task.limits, task.bs, task.case)
-        limit = kern.compile_vmem_limit(predicted, cap)
+        limit = base.task_vmem_limit(task, kern, cap)
         kind = f"deviceless {get_generation(task.generation).device_kind}"
         notes = []
         compile_fn = self._estimate if self.profile else self._plain_compile

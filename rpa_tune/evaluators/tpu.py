@@ -298,7 +298,6 @@ class TpuEvaluator(Evaluator):
         import jax.numpy as jnp
         from kernel.analysis import parse_vmem_oom
         from kernel.hardware import tpu_info
-        from .. import prefilter
 
         fake = fake_device()              # tests only (``fake_device``); None on a real TPU
         dev = jax.devices()[0] if fake is None else fake.device()
@@ -311,8 +310,6 @@ class TpuEvaluator(Evaluator):
             return EvalResult(base.COMPILE_ERROR, self.method, device_kind=device_kind,
                               message=f"this TPU is {here} ({device_kind}), the task is for {task.generation}")
         cap = int(tpu_info(task.generation).vmem_capacity_bytes)
-        predicted = task.vmem_predicted_bytes or prefilter.predicted_bytes(task.model, task.limits, task.bs, task.case)
-        limit = base.initial_vmem_limit(predicted, cap)
         try:
             timing = timing_method()
         except ValueError as e:
@@ -326,8 +323,8 @@ class TpuEvaluator(Evaluator):
         notes = []
         compile_s = None
         call, prefix = dc.fn, dc.prefix
-        if dc.vmem_limit_bytes is not None:
-            limit = dc.vmem_limit_bytes
+        # the kernel's own limit on a device, else where the compile backend starts
+        limit = dc.vmem_limit_bytes if dc.vmem_limit_bytes is not None else base.task_vmem_limit(task, kern, cap)
         while True:
             fn = jax.jit(functools.partial(call, vmem_limit_bytes=limit, **dc.kwargs), donate_argnums=(3,))
             t0 = time.perf_counter()
