@@ -91,8 +91,8 @@ def export_cmd(
     An existing table in --out is merged: the new results win per key, its other entries are
     kept (--replace drops them); the summary says what was added, changed and kept."""
     from kernel.tables import TableError
-    from rpa_tune.export import build_tables, check_tables, kernel_dir, merge_tables, read_results, write_tables
-    from rpa_tune.kernels import DEFAULT, get_kernel, kernel_names
+    from rpa_tune.export import build_tables, check_tables, merge_tables, read_results, write_tables
+    from rpa_tune.kernels import DEFAULT, get_kernel, kernel_names, table_dir
     fmt, kernel = value(fmt), value(kernel)
     if fmt == "tables":
         kernel = kernel or DEFAULT
@@ -133,7 +133,7 @@ def export_cmd(
     if fmt != "tables":
         _export_server_format(fmt, tables, out)
         return
-    out = kernel_dir(out, kernel)
+    out = table_dir(out, kernel)
     try:
         merged, merges = merge_tables(tables, out, replace=replace)
     except TableError as e:

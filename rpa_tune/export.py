@@ -195,13 +195,6 @@ def heuristic_for(key: TuningKey, kernel: str = DEFAULT) -> BlockSizes | None:
     return get_kernel(kernel).heuristic(key)
 
 
-def kernel_dir(out_dir, kernel: str) -> Path:
-    """Where ``kernel``'s tables live under a tables directory: ours at its top, another
-    kernel's in its ``table_subdir`` (so our kernel's loader never meets them)."""
-    from .kernels import table_dir
-    return table_dir(out_dir, kernel)
-
-
 def _row_key(r) -> TuningKey:
     return TuningKey(**{c: _clean(r[c]) for c in KEY_COLUMNS})
 
@@ -489,8 +482,9 @@ def merge_tables(tables: dict[str, Table], out_dir, *, replace: bool = False
         path = out_dir / f"{g}.json"
         old = Table.read(path) if path.exists() else Table(info=new.info)
         if old.kernel != new.kernel:
+            sub = get_kernel(new.kernel).table_subdir
             raise TableError(f"{path} is a table of kernel {old.kernel}, not {new.kernel} (its tables go "
-                             f"to {kernel_dir(out_dir.parent if out_dir.name == old.kernel else out_dir, new.kernel)})")
+                             f"to {sub + '/' if sub else 'the top of the tables directory'})")
         o, n = old.by_key(), new.by_key()
         rep = MergeReport(g)
         for k in sorted(set(o) | set(n)):
