@@ -337,15 +337,13 @@ def canonical_rows(table):
     if table.num_rows == 0 or "kernel_hash" not in table.column_names:
         return table
     legacy = pa.array(sorted(LEGACY_IDS))
-    hit = pc.is_in(table["kernel_hash"], value_set=legacy)
-    if not pc.any(hit).as_py() and not any(
-            c in table.column_names and pc.any(pc.is_in(table[c], value_set=legacy)).as_py()
-            for c in ("kernel_source_hash", "kernel_version")):
+    cols = [c for c in ("kernel_hash", "kernel_source_hash", "kernel_version") if c in table.column_names]
+    if not any(pc.any(pc.is_in(table[c], value_set=legacy)).as_py() for c in cols):
         return table
-    for col in ("kernel_hash", "kernel_source_hash", "kernel_version"):
-        if col in table.column_names:
-            vals = [canonical_kernel_id(v) for v in table[col].to_pylist()]
-            table = table.set_column(table.column_names.index(col), col, pa.array(vals, pa.string()))
+    hit = pc.is_in(table["kernel_hash"], value_set=legacy)      # (before the ids are replaced)
+    for col in cols:
+        vals = [canonical_kernel_id(v) for v in table[col].to_pylist()]
+        table = table.set_column(table.column_names.index(col), col, pa.array(vals, pa.string()))
     if "config_id" in table.column_names:
         rows = table.select(["key_id", "workload_id", "bq", "bkv", "cq", "ckv", "backend", "kernel_hash",
                              "evaluator_version", "config_id"]).to_pylist()
