@@ -188,8 +188,8 @@ def _key(kernel, gen, case, bs, page, q_lens, kv_lens, variant: Variant = BASE) 
 def cache_path() -> str:
     """The pieces cache: ``$RPA_TUNE_VS_PUBLIC_CACHE``, else ``rpa-tune/vs_public.jsonl`` in
     the user's cache directory (``$XDG_CACHE_HOME``, else ``~/.cache``)."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.environ.get(CACHE_ENV) or os.path.join(base, "rpa-tune", "vs_public.jsonl")
+    from rpa_tune import user_cache_dir
+    return os.environ.get(CACHE_ENV) or user_cache_dir("vs_public.jsonl")
 
 
 def _read_jsonl(path: str) -> dict:

@@ -412,8 +412,8 @@ CACHE_ENV = "RPA_TUNE_PROBE_CACHE"
 
 
 def _cache_dir() -> str:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.environ.get(CACHE_ENV) or os.path.join(base, "rpa-tune", "probes")
+    from rpa_tune import user_cache_dir
+    return os.environ.get(CACHE_ENV) or user_cache_dir("probes")
 
 
 def program_cache_dir() -> str:
