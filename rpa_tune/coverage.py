@@ -6,6 +6,12 @@ sweeps it (``python -m rpa_tune.coverage plan`` prints its sweeps), ``rpa-tune r
 draws it as the coverage matrix, and ``tests/test_tables_shipped.py`` asserts the shipped
 tables hold it.
 
+Two plans of it, by backend (``plan(backend=...)``): ``compile`` (the default) prices what
+an estimate can cover, each key's explore buckets searched and the others filled from their
+cached probes; ``tpu`` times every key on the chip, v4's and TPU7x prefill / mixed included,
+every bucket searched (a device run costs the same for any config, so there is nothing to
+fill from). ``plan --backend tpu --here`` keeps the generation of the TPU on this machine.
+
 * Shapes are per shard (``rpa_tune.presets``), plus the attention options a model's keys
   are tuned with: Gemma-2-9B's layers soft-cap their logits at 50 and every other one
   attends to a 4096-token window (its ``sliding_window=true`` keys); Llama-3-8B is also
@@ -196,16 +202,30 @@ class Sweep:
                 + SWEEP_WORKLOAD[self.case])
 
 
-def plan(generations=ESTIMABLE, shapes=SHAPES, cases=CASES, estimable_only: bool = False) -> list[Sweep]:
-    """The matrix's sweeps; ``estimable_only``: without the cases no estimate can cover
-    (``NEEDS_A_DEVICE_CASES``), as ``tables/generate.sh`` runs it."""
+BACKENDS = ("compile", "tpu")
+
+
+def plan(generations=None, shapes=SHAPES, cases=CASES, estimable_only: bool = False,
+         backend: str = "compile") -> list[Sweep]:
+    """The matrix's sweeps for ``backend``. ``compile``: of the estimable generations by
+    default, an explore and a fill sweep per key (``bucket_roles``); ``estimable_only``:
+    without the cases no estimate can cover (``NEEDS_A_DEVICE_CASES``), as
+    ``tables/generate.sh`` runs it. ``tpu``: of every generation by default, what needs a
+    device included, one explore sweep of every bucket per key."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend {backend!r}: valid are {', '.join(BACKENDS)}")
+    if generations is None:
+        generations = GENERATIONS if backend == "tpu" else ESTIMABLE
     out = []
     for s in shapes:
         for g in generations:
             for c in cases:
-                if estimable_only and needs_a_device(g, c):
+                if backend == "compile" and estimable_only and needs_a_device(g, c):
                     continue
                 for p in s.page_sizes:
+                    if backend == "tpu":
+                        out.append(Sweep(g, s, c, p, BUCKETS, "explore"))
+                        continue
                     explore, fill = bucket_roles(c, p)
                     out.append(Sweep(g, s, c, p, explore, "explore"))
                     out.append(Sweep(g, s, c, p, fill, "fill"))
@@ -268,14 +288,31 @@ def parse_shard(text: str) -> tuple[int, int]:
     return k, n
 
 
+def tpu_here() -> tuple[str | None, str]:
+    """(the generation of the TPU on this machine or None, what was found), by the tpu
+    backend's device probe (a child process; the test-only stand-in device honoured)."""
+    from .evaluators.tpu import probe_devices, tpu_generation_present
+    probe = probe_devices()
+    here = tpu_generation_present(probe)
+    found = f"a TPU {here} ({probe.get('device_kind')})" if here else (
+        f"no TPU (platform {probe.get('platform')}" + (f", device {probe['device_kind']}" if probe.get("device_kind")
+                                                       not in (None, "cpu") else "") + ")")
+    return here, found
+
+
 def main(argv: list[str]) -> int:
-    """``python -m rpa_tune.coverage plan [--gen G] [--shape NAME] [--case C] [--shard K/N]``
-    (the first three repeatable): one line per sweep of the plan (``--shard``: of its part K
-    of N, ``shard``): its role, then its sweep arguments. Cases that need a device are
-    skipped, with a line on stderr; exit 2 when nothing else was asked for."""
+    """``python -m rpa_tune.coverage plan [--backend compile|tpu] [--here] [--gen G]
+    [--shape NAME] [--case C] [--shard K/N]`` (``--gen``, ``--shape``, ``--case``
+    repeatable): one line per sweep of the plan (``--shard``: of its part K of N, ``shard``):
+    its role, then its sweep arguments. ``compile`` (default): cases that need a device are
+    skipped, with a line on stderr; exit 2 when nothing else was asked for. ``tpu``: every
+    generation and case; ``--here``: only the generation of the TPU on this machine (exit 2
+    in one line without one, or when ``--gen`` names another)."""
     import argparse
     ap = argparse.ArgumentParser(prog="python -m rpa_tune.coverage")
     ap.add_argument("command", choices=["plan"])
+    ap.add_argument("--backend", choices=BACKENDS, default="compile")
+    ap.add_argument("--here", action="store_true", help="tpu: only the generation of the TPU on this machine")
     ap.add_argument("--gen", action="append", choices=GENERATIONS)
     ap.add_argument("--shape", action="append", choices=[s.name for s in SHAPES])
     ap.add_argument("--case", action="append", choices=CASES)
@@ -287,21 +324,40 @@ def main(argv: list[str]) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     shapes = tuple(s for s in SHAPES if not a.shape or s.name in a.shape)
-    gens = tuple(a.gen or ESTIMABLE)
-    for g in set(gens) & set(NEEDS_A_DEVICE):
-        print(f"{g}: no estimate is possible ({NEEDS_A_DEVICE[g]}); its sweeps need --backend tpu on a {g}",
-              file=sys.stderr)
-        return 2
     cases = tuple(a.case or CASES)
-    skipped = sorted({(g, c) for g in gens for c in cases if needs_a_device(g, c)})
-    if skipped and len(skipped) == len(gens) * len(cases):
-        print(f"{', '.join(f'{g} {c}' for g, c in skipped)}: no estimate is possible "
-              f"({needs_a_device(*skipped[0])}); their sweeps need --backend tpu on a device", file=sys.stderr)
+    if a.here and a.backend != "tpu":
+        print("error: --here plans for the TPU on this machine: it needs --backend tpu", file=sys.stderr)
         return 2
-    for g, c in skipped:
-        print(f"skipped {g} {c} (needs a device: {needs_a_device(g, c)})", file=sys.stderr)
-    lines = [f"{sw.role} {shlex.join(sw.args())}\n"
-             for sw in shard(plan(generations=gens, shapes=shapes, cases=cases, estimable_only=True), *part)]
+    if a.backend == "tpu":
+        gens = tuple(a.gen or GENERATIONS)
+        if a.here:
+            here, found = tpu_here()
+            if here is None:
+                print(f"error: --backend tpu times on this machine's TPU and this machine has {found}: run it on "
+                      "a TPU VM, or list the plan anywhere with tables/generate.sh --backend tpu --dry-run",
+                      file=sys.stderr)
+                return 2
+            if here not in gens:
+                print(f"error: this machine has {found}, not {' or '.join(gens)} (--gen): a device times "
+                      "its own generation only", file=sys.stderr)
+                return 2
+            gens = (here,)
+        sweeps = plan(generations=gens, shapes=shapes, cases=cases, backend="tpu")
+    else:
+        gens = tuple(a.gen or ESTIMABLE)
+        for g in set(gens) & set(NEEDS_A_DEVICE):
+            print(f"{g}: no estimate is possible ({NEEDS_A_DEVICE[g]}); its sweeps need --backend tpu on a {g}",
+                  file=sys.stderr)
+            return 2
+        skipped = sorted({(g, c) for g in gens for c in cases if needs_a_device(g, c)})
+        if skipped and len(skipped) == len(gens) * len(cases):
+            print(f"{', '.join(f'{g} {c}' for g, c in skipped)}: no estimate is possible "
+                  f"({needs_a_device(*skipped[0])}); their sweeps need --backend tpu on a device", file=sys.stderr)
+            return 2
+        for g, c in skipped:
+            print(f"skipped {g} {c} (needs a device: {needs_a_device(g, c)})", file=sys.stderr)
+        sweeps = plan(generations=gens, shapes=shapes, cases=cases, estimable_only=True)
+    lines = [f"{sw.role} {shlex.join(sw.args())}\n" for sw in shard(sweeps, *part)]
     try:
         sys.stdout.writelines(lines)
         sys.stdout.flush()

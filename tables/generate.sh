@@ -25,11 +25,56 @@
 #   whose probe records it reads: rpa_tune/coverage.py shard), to split the matrix over N machines;
 #   run it with EXPORT=0 on each, then copy every machine's tables/results/part-*.parquet into one
 #   tables/results and run the last two steps there (docs/tables.md, "Regenerating").
+# Options: --backend compile|tpu (default compile), --storage URL, --dry-run.
+#   --backend tpu times the plan on this machine's TPU (`rpa-tune sweep --backend tpu`): every
+#   key of the matrix for its generation, v4's and TPU7x prefill / mixed included (the
+#   compile plan skips them: no estimate), every bucket searched (no fill sweeps: --seeds is
+#   for cached probes); without a TPU it says so in one line (exit 2). GENS narrows the plan
+#   as above but must name this TPU's generation.
+#   --storage URL (any backend) shares every sweep with the workers started with the same
+#   URL (`rpa-tune sweep --storage`: Optuna's storage, a config evaluated once across them);
+#   export then reads tables/results and the storage. A fleet: one generate.sh per chip
+#   (CHIP=K pins the process to chip K of its VM: TPU_VISIBLE_CHIPS and the process bounds,
+#   unless already set), all with the same URL (docs/tpu-vm.md).
+#   --dry-run prints the sweeps it would run (with their exact options) and exits: on any
+#   machine, --backend tpu lists every generation's plan (GENS to narrow it).
+#   Resumable either way: rerun the same command after an interruption or preemption.
 # Wall time: docs/tables.md ("Regenerating"); the recorded runs' wall times are in notebook.md
 # and, per sweep, in benchmarks/results/tables_generate_sweeps.log.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+BACKEND=compile
+STORAGE=
+STORAGE_GIVEN=
+DRY_RUN=0
+usage="usage: tables/generate.sh [--backend compile|tpu] [--storage URL] [--dry-run]"
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --backend) BACKEND=${2:-}; shift 2 || { echo "generate.sh: error: --backend needs a value; $usage" >&2; exit 2; } ;;
+    --backend=*) BACKEND=${1#*=}; shift ;;
+    --storage) STORAGE=${2:-}; STORAGE_GIVEN=1; shift 2 || { echo "generate.sh: error: --storage needs a URL; $usage" >&2; exit 2; } ;;
+    --storage=*) STORAGE=${1#*=}; STORAGE_GIVEN=1; shift ;;
+    --dry-run) DRY_RUN=1; shift ;;
+    -h|--help) echo "$usage (knobs: the header of tables/generate.sh)"; exit 0 ;;
+    *) echo "generate.sh: error: unknown argument '$1'; $usage" >&2; exit 2 ;;
+  esac
+done
+case "$BACKEND" in
+  compile|tpu) ;;
+  *) echo "generate.sh: error: --backend '$BACKEND': valid are compile, tpu" >&2; exit 2 ;;
+esac
 PY=${PYTHON:-python}
+if [ -n "$STORAGE_GIVEN" ]; then
+  # the URL is checked before any sweep (rpa-tune sweep's own check); a relative path is
+  # relative to the checkout's root, where this script runs
+  $PY -c 'import sys
+from rpa_tune.distributed import StorageError, parse_storage
+try:
+    parse_storage(sys.argv[1])
+except StorageError as e:
+    print(f"generate.sh: error: {e}", file=sys.stderr)
+    sys.exit(2)' "$STORAGE"
+fi
 DECODE_BUDGET=${DECODE_BUDGET:-30}
 BUDGET=${BUDGET:-12}
 REFINE=${REFINE:-32}
@@ -37,7 +82,16 @@ SEEDS=${SEEDS:-8}
 JOBS=${JOBS:-2}
 TIMEOUT=${TIMEOUT:-900}
 RESULTS=tables/results
-filters=()
+if [ -n "${CHIP:-}" ]; then
+  # one process per chip of a multi-chip TPU VM: the variables the TPU runtime reads to give
+  # a process one chip (each left alone when already set)
+  export TPU_VISIBLE_CHIPS=${TPU_VISIBLE_CHIPS:-$CHIP}
+  export TPU_CHIPS_PER_PROCESS_BOUNDS=${TPU_CHIPS_PER_PROCESS_BOUNDS:-1,1,1}
+  export TPU_PROCESS_BOUNDS=${TPU_PROCESS_BOUNDS:-1,1,1}
+  export TPU_PROCESS_PORT=${TPU_PROCESS_PORT:-$((8476 + CHIP))}
+fi
+filters=(--backend "$BACKEND")
+[ "$BACKEND" = tpu ] && [ "$DRY_RUN" = 0 ] && filters+=(--here)
 for g in ${GENS:-}; do filters+=(--gen "$g"); done
 for c in ${CASES:-}; do filters+=(--case "$c"); done
 IFS=, read -r -a shapes <<< "${SHAPES:-}"
@@ -46,6 +100,7 @@ for s in "${shapes[@]}"; do filters+=(--shape "$s"); done
 plan=$($PY -m rpa_tune.coverage plan "${filters[@]}")
 start=$(date +%s)
 n=$(printf '%s\n' "$plan" | grep -c .)
+[ "$DRY_RUN" = 1 ] && echo "=== dry run: $n sweeps, backend $BACKEND${STORAGE_GIVEN:+, shared through --storage}"
 i=0
 while IFS=' ' read -r role line; do
   i=$((i + 1))
@@ -54,13 +109,23 @@ while IFS=' ' read -r role line; do
   r=$REFINE
   [ "${args[3]}" = decode ] && b=$DECODE_BUDGET
   [ "$role" = fill ] && b=1 && r=0
+  cmd=(sweep "${args[@]}" --backend "$BACKEND" --budget "$b" --refine "$r")
+  # seeds are the compile backend's (cached probes); the tpu backend runs one worker per chip
+  [ "$BACKEND" = compile ] && cmd+=(--seeds "$SEEDS" --jobs "$JOBS")
+  cmd+=(--timeout "$TIMEOUT" --results "$RESULTS")
+  [ -n "$STORAGE_GIVEN" ] && cmd+=(--storage "$STORAGE")
+  if [ "$DRY_RUN" = 1 ]; then
+    echo "[$i/$n] $role: rpa-tune ${cmd[*]}"
+    continue
+  fi
   elapsed=$(( ($(date +%s) - start) / 60 ))
-  echo "=== [$i/$n] $role: sweep $line --budget $b --refine $r --seeds $SEEDS ($elapsed min so far)"
-  $PY -m rpa_tune.cli sweep "${args[@]}" --backend compile --budget "$b" --refine "$r" --seeds "$SEEDS" \
-    --jobs "$JOBS" --timeout "$TIMEOUT" --results "$RESULTS" </dev/null \
-    || echo "sweep [$i/$n] failed (exit $?); continuing"
+  echo "=== [$i/$n] $role: rpa-tune ${cmd[*]} ($elapsed min so far)"
+  $PY -m rpa_tune.cli "${cmd[@]}" </dev/null || echo "sweep [$i/$n] failed (exit $?); continuing"
 done <<< "$plan"
+[ "$DRY_RUN" = 1 ] && exit 0
 echo "=== sweeps done in $(( ($(date +%s) - start) / 60 )) min"
 [ "${EXPORT:-1}" = 0 ] && exit 0
 $PY -c "import sys; from rpa_tune.export import compact_results; compact_results(sys.argv[1])" "$RESULTS"
-$PY -m rpa_tune.cli export --results "$RESULTS" --out tables ${REPLACE:+--replace}
+sources=(--results "$RESULTS")
+[ -n "$STORAGE_GIVEN" ] && sources+=(--results "$STORAGE")
+$PY -m rpa_tune.cli export "${sources[@]}" --out tables ${REPLACE:+--replace}

@@ -127,3 +127,148 @@ def test_an_entry_tuned_on_a_batch_the_plan_no_longer_sweeps_is_stale():
     # the old bucket-512 step (a 128-token chunk, 256 tokens) is the new bucket-256 step
     assert retired == coverage.sweep_workload_id("mixed", 128, 256) and not stale(retired, max_num_tokens=256)
     assert all(coverage.RETIRED_SWEEP_WORKLOADS.get(("mixed", t)) for t in coverage.BUCKETS if t > 128)
+
+
+# ------------------------------------------------------------------ the device plan (issue #102, item 4)
+def _matrix(generations):
+    """Every key of the matrix, from its parts (not from the plan): (gen, shape, case, page, bucket)."""
+    return {(g, s.name, c, p, t) for g in generations for s in coverage.SHAPES for c in coverage.CASES
+            for p in s.page_sizes for t in coverage.BUCKETS}
+
+
+def _keys(sweeps):
+    return {(sw.generation, sw.shape.name, sw.case, sw.page_size, t) for sw in sweeps for t in sw.buckets}
+
+
+def test_the_tpu_plan_is_every_key_of_the_matrix_each_searched():
+    """The tpu backend times any key, so its plan is the whole matrix, v4 and TPU7x prefill /
+    mixed included (the compile plan skips them), and each key's every bucket is searched
+    (one sweep per key, no fill sweeps: their seeds are the compile backend's)."""
+    tpu = coverage.plan(backend="tpu")
+    assert _keys(tpu) == _matrix(coverage.GENERATIONS)
+    assert all(sw.role == "explore" and sw.buckets == coverage.BUCKETS for sw in tpu)
+    assert len(tpu) == len({_key(sw) for sw in tpu})                      # one sweep per key
+    device_only = _keys(tpu) - _keys(coverage.plan(estimable_only=True))
+    assert {(k[0], k[2]) for k in device_only} == {("v4", c) for c in coverage.CASES} | {
+        ("tpu7x", "prefill"), ("tpu7x", "mixed")}
+    # the compile plan is unchanged: v4 absent, TPU7x prefill / mixed skipped
+    assert {sw.generation for sw in coverage.plan(estimable_only=True)} == set(coverage.ESTIMABLE)
+    with pytest.raises(ValueError, match="valid are compile, tpu"):
+        coverage.plan(backend="gpu")
+
+
+def test_plan_cli_tpu_lists_device_only_keys_and_here_needs_a_tpu(monkeypatch):
+    r = _plan("--backend", "tpu", "--gen", "v4", "--gen", "tpu7x")
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    lines = r.stdout.splitlines()
+    assert len(lines) == len(coverage.plan(generations=("v4", "tpu7x"), backend="tpu"))
+    for gen, case in [("v4", "decode"), ("v4", "prefill"), ("v4", "mixed"), ("tpu7x", "prefill"),
+                      ("tpu7x", "mixed")]:
+        assert any(f" --tpu {gen} --case {case} " in line for line in lines), (gen, case)
+    # --here: the generation of the TPU on this machine, or one line and exit 2
+    env = _fake_env(None)
+    r = subprocess.run([sys.executable, "-m", "rpa_tune.coverage", "plan", "--backend", "tpu", "--here"], cwd=REPO,
+                       capture_output=True, text=True, timeout=120, env=env)
+    if not Path("/dev/accel0").exists():
+        assert r.returncode == 2 and r.stdout == "" and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert "no TPU" in r.stderr and "--dry-run" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "rpa_tune.coverage", "plan", "--backend", "tpu", "--here"], cwd=REPO,
+                       capture_output=True, text=True, timeout=120, env=_fake_env("tpu7x"))
+    assert r.returncode == 0, r.stderr
+    assert {line.split()[2] for line in r.stdout.splitlines()} == {"tpu7x"}
+    assert len(r.stdout.splitlines()) == len(coverage.plan(generations=("tpu7x",), backend="tpu"))
+    r = subprocess.run([sys.executable, "-m", "rpa_tune.coverage", "plan", "--backend", "tpu", "--here", "--gen",
+                        "v6e"], cwd=REPO, capture_output=True, text=True, timeout=120, env=_fake_env("tpu7x"))
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "v6e" in r.stderr, r.stderr
+    r = _plan("--here")
+    assert r.returncode == 2 and "needs --backend tpu" in r.stderr
+
+
+TESTS = str(Path(__file__).resolve().parent)
+GENERATE = str(REPO / "tables" / "generate.sh")
+
+
+def _fake_env(generation, **extra):
+    import os
+    e = {k: v for k, v in os.environ.items() if not k.startswith(("TPU_", "RPA_TUNE_FAKE"))
+         and k not in ("GENS", "SHAPES", "CASES", "SHARD", "CHIP", "EXPORT", "REPLACE")}
+    e.update(PYTHONPATH=TESTS + os.pathsep + e.get("PYTHONPATH", ""), PYTHON=sys.executable)
+    e.update(extra)
+    if generation:
+        e["RPA_TUNE_FAKE_TPU"] = f"fake_tpu:{generation}"
+    return e
+
+
+def _generate(*args, env, timeout=300):
+    return subprocess.run(["bash", GENERATE, *args], cwd=REPO, capture_output=True, text=True, env=env,
+                          timeout=timeout)
+
+
+def test_generate_dry_run_tpu_lists_the_device_plan_with_its_options(tmp_path):
+    """`tables/generate.sh --backend tpu --dry-run` on CPU: the sweeps of every generation's
+    device plan (v4 and TPU7x prefill / mixed included), each a `--backend tpu` sweep with
+    the storage passed through and no compile-only option; nothing is run or written."""
+    url = f"sqlite:///{tmp_path}/fleet.db"
+    r = _generate("--backend", "tpu", "--dry-run", "--storage", url, env=_fake_env(None))
+    assert r.returncode == 0, r.stderr
+    lines = [line for line in r.stdout.splitlines() if line.startswith("[")]
+    want = coverage.plan(backend="tpu")
+    assert len(lines) == len(want)
+    for line, sw in zip(lines, want):
+        assert f"rpa-tune sweep {' '.join(sw.args())} --backend tpu " in line, line
+        assert line.endswith(f"--results tables/results --storage {url}"), line
+        assert "--seeds" not in line and "--jobs" not in line
+        budget = 30 if sw.case == "decode" else 12
+        assert f" --budget {budget} --refine 32 " in line
+    for gen, case in [("v4", "prefill"), ("v4", "mixed"), ("tpu7x", "prefill"), ("tpu7x", "mixed")]:
+        assert any(f"--tpu {gen} --case {case} " in line for line in lines), (gen, case)
+    assert not (tmp_path / "fleet.db").exists()
+    # the compile plan's dry run: as before (no v4, TPU7x prefill / mixed skipped), with its seeds
+    r = _generate("--dry-run", env=_fake_env(None, GENS="v4"))
+    assert r.returncode == 2 and "need --backend tpu" in r.stderr
+    r = _generate("--dry-run", env=_fake_env(None, GENS="tpu7x", SHAPES="llama3-8b"))
+    lines = [line for line in r.stdout.splitlines() if line.startswith("[")]
+    assert r.returncode == 0 and lines and all("--case decode" in x and "--seeds 8" in x for x in lines), r.stderr
+
+
+def test_generate_refuses_bad_input_and_a_missing_tpu_in_one_line(tmp_path):
+    env = _fake_env(None)
+    for args, words in [(["--backend", "gpu"], "'gpu'"), (["--storage", "bogus"], "'bogus'"), (["--frobnicate"],
+                                                                                              "'--frobnicate'"),
+                        (["--storage"], "needs a URL")]:
+        r = _generate(*args, env=env)
+        assert r.returncode == 2 and r.stdout == "", (args, r.stdout)
+        assert len(r.stderr.strip().splitlines()) == 1 and words in r.stderr, (args, r.stderr)
+    if not Path("/dev/accel0").exists():
+        r = _generate("--backend", "tpu", env=env)
+        assert r.returncode == 2 and "sweep" not in r.stdout
+        assert len(r.stderr.strip().splitlines()) == 1 and "no TPU" in r.stderr, r.stderr
+
+
+def test_generate_on_a_tpu_runs_its_generations_device_plan_and_exports_the_fleets_rows(tmp_path):
+    """On a (stand-in) TPU7x chip, with a storage and CHIP=1: the sweeps of TPU7x's prefill
+    and mixed keys (no estimate exists for them), each with --backend tpu and the storage, in
+    a process pinned to chip 1; then compaction and an export of the local results and the
+    storage. The sweeps and export are recorded by a stand-in Python, not run."""
+    log = tmp_path / "calls.log"
+    shim = tmp_path / "python"
+    shim.write_text(f"""#!/bin/bash
+if [ "$1" = -m ] && [ "$2" = rpa_tune.coverage ]; then exec {sys.executable} "$@"; fi
+if [ "$1" = -c ] && [[ "$2" == *parse_storage* ]]; then exec {sys.executable} "$@"; fi
+echo "TPU_VISIBLE_CHIPS=$TPU_VISIBLE_CHIPS TPU_PROCESS_BOUNDS=$TPU_PROCESS_BOUNDS $*" >> {log}
+""")
+    shim.chmod(0o755)
+    url = str(tmp_path / "fleet.journal")
+    env = _fake_env("tpu7x", PYTHON=str(shim), SHAPES="llama3-70b-tp8", CASES="prefill mixed", CHIP="1")
+    r = _generate("--backend", "tpu", "--storage", url, env=env)
+    assert r.returncode == 0, r.stderr
+    calls = log.read_text().splitlines()
+    sweeps = [c for c in calls if " -m rpa_tune.cli sweep " in c]
+    want = coverage.plan(generations=("tpu7x",), shapes=(coverage.SHAPES[0],), cases=("prefill", "mixed"),
+                         backend="tpu")
+    assert len(sweeps) == len(want) == 4
+    for c, sw in zip(sweeps, want):
+        assert c.startswith("TPU_VISIBLE_CHIPS=1 TPU_PROCESS_BOUNDS=1,1,1 -m rpa_tune.cli sweep "), c
+        assert f"sweep {' '.join(sw.args())} --backend tpu " in c and c.endswith(f"--storage {url}"), c
+    assert "compact_results" in calls[-2]
+    assert calls[-1].endswith(f"-m rpa_tune.cli export --results tables/results --results {url} --out tables")
