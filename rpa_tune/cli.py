@@ -490,6 +490,31 @@ def status(
 
 
 @app.command()
+def selftest(
+    quick: bool = typer.Option(False, "--quick", help="A few rows of each part (minutes, not the full matrix)."),
+    out: Path = typer.Option(Path("rpa-tune-selftest"), "--out", "-o", help="Directory for selftest.md and "
+                             "selftest.json (created; earlier reports there are replaced)."),
+    estimate: bool = typer.Option(True, "--estimate/--no-estimate", help="Estimate each probe deviceless "
+                                  "(compile workers on the CPU, beside the device work) to set beside its "
+                                  "device time."),
+    jobs: int = typer.Option(2, "--jobs", "-j", min=1, help="Compile workers for the estimates."),
+    json_out: JsonFlag = False,
+):
+    """On a TPU VM: our kernel on the chip against the reference (every case, head_dim 64 / 128 /
+    256, fp8 KV, window, soft cap, pages 128 / 256, ragged batches), and a probe set timed for
+    both kernels beside their deviceless estimates; one report (Markdown + JSON) to attach to
+    an issue. Exit 1 when anything failed; without a TPU, one line and exit 2."""
+    from .selftest import SelftestError, main as run_selftest
+    if out.exists() and not out.is_dir():
+        fail(f"--out {str(out)!r} exists and is not a directory")
+    try:
+        code = run_selftest(quick=quick, out=out, estimate=estimate, jobs=jobs, json_out=json_out)
+    except SelftestError as e:
+        fail(str(e))
+    raise typer.Exit(code)
+
+
+@app.command()
 def presets():
     """List the shipped model presets (per-shard attention shapes)."""
     from . import ui
@@ -500,6 +525,8 @@ def presets():
 # export / diff / precompile live in cli_tables (tables workflow)
 from .cli_tables import register as _register_tables  # noqa: E402
 _register_tables(app)
+from .cli_calibrate import register as _register_calibrate  # noqa: E402  (calibrate: cli_calibrate)
+_register_calibrate(app)
 
 
 def main():  # pragma: no cover - console entry point helper

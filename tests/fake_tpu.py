@@ -146,3 +146,47 @@ def _factory(generation, offset=0.0):
 
 v4, v5e, v5p, v6e, tpu7x = (_factory(g) for g in ("v4", "v5e", "v5p", "v6e", "tpu7x"))
 v6e_off = _factory("v6e", 1.0)       # the public stand-in's output off by 1 (wrong_result)
+
+
+# ------------------------------------------------------------------ for `rpa-tune selftest` (tests/test_selftest.py)
+class WrongHeadDimTpu(FakeTpu):
+    """The stand-in whose run of our kernel is wrong for one head_dim: its output is off by
+    ``offset`` in calls of that head_dim (a broken compiled path), right for the others; the
+    public kernel's stand-in off by ``public_offset`` (0: right)."""
+
+    def __init__(self, generation: str, head_dim: int, offset: float = 1.0, public_offset: float = 0.0):
+        super().__init__(generation, public_offset)
+        self.bad_head_dim, self.bad_offset = head_dim, offset
+
+    def device_call(self, dc, task):
+        import dataclasses
+        dc = super().device_call(dc, task)
+        if task.kernel != "rpa-tune" or task.model.head_dim != self.bad_head_dim:
+            return dc
+        fn, off = dc.fn, self.bad_offset
+
+        def wrong(*args, **kw):
+            out, cache = fn(*args, **kw)
+            return (out.astype("float32") + off).astype(out.dtype), cache
+        return dataclasses.replace(dc, fn=wrong)
+
+
+v6e_wrong = lambda: WrongHeadDimTpu("v6e", 64, public_offset=1.0)      # noqa: E731
+
+ESTIMATE_FACTOR = 1.25      # the stand-in estimate: this many times the stand-in's device time
+
+
+def estimate_evaluator(backend):
+    """``RPA_TUNE_EVALUATOR_OVERRIDE`` factory for the compile workers of `rpa-tune selftest`:
+    an audited estimate of ``ESTIMATE_FACTOR`` x ``device_time`` (no libtpu compile)."""
+    from rpa_tune.evaluators.base import OK, EvalResult, Evaluator
+
+    class StandInEstimate(Evaluator):
+        name, method, version = "stand-in-estimate", "estimate", "1"
+
+        def evaluate(self, task):
+            assert backend == "compile" and task.backend == "compile" and task.heuristic, (backend, task)
+            m = ESTIMATE_FACTOR * device_time(task.bs)
+            return EvalResult(OK, self.method, metric=m, estimate_s=m, audit="complete", samples=1,
+                              message="stand-in estimate (tests/fake_tpu.py)")
+    return StandInEstimate()
