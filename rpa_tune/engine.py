@@ -427,7 +427,11 @@ def make_row(key: TuningKey, limits: ServingLimits, workload: Workload, workload
         vmem_limit_bytes=res.vmem_limit_bytes, vmem_reported_bytes=res.vmem_reported_bytes,
         message=res.message, backend=backend, search=search, seed=seed,
         evaluator_version=ev_version, device_kind=res.device_kind,
-        timestamp=_dt.datetime.now(_dt.timezone.utc), sweep_id=sweep_id, config_id=config)
+        timestamp=_dt.datetime.now(_dt.timezone.utc), sweep_id=sweep_id, config_id=config,
+        static_s=res.static_s, calibration=res.calibration)
+    walk = res.walk or {}
+    for k in ("qblocks", "steps", "pages", "hbm_bytes", "mxu_flops"):
+        r[f"walk_{k}"] = walk.get(k)
     for k in ("jax_version", "jaxlib_version", "libtpu_version", "rpa_tune_version", "kernel_hash",
               "kernel_source_hash", "git_sha", "kernel", "kernel_version"):
         r[k] = prov.get(k)

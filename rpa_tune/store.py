@@ -68,7 +68,14 @@ SCHEMA = pa.schema([
     # there were two) or "tpu-inference", and its version (our kernel source hash, or
     # "tpu-inference==<package version>")
     ("kernel", pa.string()), ("kernel_version", pa.string()),
+    # the device-cost model (rpa_tune.estimator.device_model): the static estimate's time, the
+    # calibration that priced ``metric``, and the walk's counted features, so a new
+    # calibration re-prices the row without a compile (``reprice``)
+    ("static_s", pa.float64()), ("calibration", pa.string()),
+    ("walk_qblocks", pa.int64()), ("walk_steps", pa.int64()), ("walk_pages", pa.int64()),
+    ("walk_hbm_bytes", pa.float64()), ("walk_mxu_flops", pa.float64()),
 ])
+WALK_COLUMNS = ("walk_qblocks", "walk_steps", "walk_pages", "walk_hbm_bytes", "walk_mxu_flops")
 COLUMNS = tuple(SCHEMA.names)
 log = logging.getLogger("rpa_tune.store")
 
@@ -201,6 +208,7 @@ def read_results_table(paths) -> ResultsRead:
     files = result_files(paths)
     table, damaged = _read_files(files)
     table = canonical_rows(table)      # legacy source hashes read as their kernel version
+    table = reprice(table)             # metrics under today's device calibration
     return ResultsRead(table, files, damaged)
 
 
@@ -326,6 +334,51 @@ def _fsync_dir(path: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def reprice(table):
+    """A results ``pyarrow.Table`` whose rows priced by an older device calibration (or by
+    none) carry today's: ``metric`` and ``calibration`` recomputed by
+    ``device_model.device_time`` from the row's static estimate (``estimate_s``) and walk
+    features (``WALK_COLUMNS``), without a compile. Rows without recorded features (written
+    before the device-cost model) keep their static metric and read as calibration "none",
+    and so do all rows priced for the same key, kernel and workload (``static_s``): the rows
+    one ranking compares are priced one way. Measured rows, and rows without a metric, are
+    left alone."""
+    if table.num_rows == 0 or "walk_steps" not in table.column_names:
+        return table
+    from .estimator import device_model
+    cols = ["generation", "metric", "method", "estimate_s", "static_s", "calibration", "key_id", "kernel",
+            "workload_id", *WALK_COLUMNS]
+    rows = table.select(cols).to_pylist()
+    priced = (device_model.ESTIMATE, device_model.MODELLED)
+    group = lambda r: (r["key_id"], r["kernel"], r["workload_id"])
+    static_groups = {group(r) for r in rows
+                     if r["metric"] is not None and r["method"] in priced and r["walk_steps"] is None}
+    current = {}
+    metric, calib, changed = [], [], False
+    for r in rows:
+        m, c = r["metric"], r["calibration"]
+        if m is not None and r["method"] in priced and group(r) in static_groups:
+            if r["static_s"] is not None and r["calibration"] not in (None, "none"):
+                m, changed = r["static_s"], True
+            c = "none"
+        elif m is not None and r["method"] in priced and r["walk_steps"] is not None:
+            g = r["generation"]
+            if g not in current:
+                current[g] = device_model.calibration_for(g)
+            cal, version = current[g]
+            if cal is not None and c != version:
+                feats = device_model.Features(r["walk_qblocks"], r["walk_steps"], r["walk_pages"],
+                                              r["walk_hbm_bytes"], r["walk_mxu_flops"])
+                static = r["estimate_s"] if r["method"] == device_model.ESTIMATE else None
+                m, c, changed = device_model.device_time(static, feats, g, cal.constants)["time_s"], version, True
+        metric.append(m)
+        calib.append(c if c is not None else "none")
+    table = table.set_column(table.column_names.index("calibration"), "calibration", pa.array(calib, pa.string()))
+    if changed:
+        table = table.set_column(table.column_names.index("metric"), "metric", pa.array(metric, pa.float64()))
+    return table
 
 
 def canonical_rows(table):

@@ -16,14 +16,14 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 #             tracked tree's size, a built wheel
 #   bench     the benchmark scripts' tooling (their parsing and merging, not their figures)
 TIERS = {
-    "unit": ("test_cli_bad_input", "test_device_path", "test_coverage_plan", "test_distributed", "test_docs", "test_imports",
+    "unit": ("test_cli_bad_input", "test_device_model", "test_device_path", "test_coverage_plan", "test_distributed", "test_docs", "test_imports",
              "test_kernel_metrics", "test_kernel_validation", "test_report_html", "test_tables_export",
              "test_tables_lookup", "test_tune_cli", "test_tune_engine", "test_tune_search", "test_tune_space",
              "test_tune_store", "test_tune_workloads"),
     "compile": ("test_estimator", "test_estimator_calibration", "test_estimator_public", "test_fingerprint",
                 "test_kernel_deviceless", "test_precompile", "test_program_cache", "test_public_backend",
                 "test_tune_evaluators", "test_tuned_kernels"),
-    "interpret": ("test_kernel_interpret", "test_selftest", "test_tpu_backend_fake"),
+    "interpret": ("test_calibrate", "test_kernel_interpret", "test_selftest", "test_tpu_backend_fake"),
     "data": ("test_data_gates", "test_tables_shipped", "test_wheel"),
     "bench": ("test_coverage_check", "test_critical_path", "test_fidelity", "test_vs_public_tables"),
 }

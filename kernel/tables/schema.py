@@ -16,7 +16,7 @@ from typing import Any
 from ..config import BlockSizes, Case, TuningKey, block_size_errors
 
 SCHEMA_VERSION = 1
-METHODS = ("estimate", "measured")
+METHODS = ("estimate", "measured", "modelled")
 # The kernels a table can be for: this project's, and tpu-inference's RPA v3 (the one
 # vLLM-TPU and SGLang-JAX run). A table holds one kernel's entries; its ``info["kernel"]``
 # names it (absent: ours, as in every table written before there were two).

@@ -162,7 +162,7 @@ def max_mxu_utilization(head_dim: int, cal) -> float:
 
 
 def time_model(cycles: float, workload: Workload, model: ModelShape, generation: str, case=None, *,
-               sliding_window: int | None, cal=None, walk: int | None = None) -> dict:
+               sliding_window: int | None, cal=None, walk: int | None = None, features=None) -> dict:
     """Time from cycles at the calibrated clock, the roofline bounds, which is active, MBU,
     MFU as the RPA paper defines it (against the bf16 peak times ``max_mxu_utilization``;
     ``mfu_of_peak``: against the plain peak), and the rate check. The FLOPs are the visible
@@ -186,12 +186,18 @@ def time_model(cycles: float, workload: Workload, model: ModelShape, generation:
     moved = need.hbm_bytes + max(0, (walk or 0) - paper_read)
     mem_s = moved / info.mem_bw_bytes_per_second
     cmp_s = need.flops / achievable_mxu_flops(generation, model.head_dim, cal)
-    time_s = max(est_s, mem_s, cmp_s)
+    static_s = max(est_s, mem_s, cmp_s)
+    bound = "estimate" if static_s == est_s else ("memory" if static_s == mem_s else "compute")
+    time_s, calibration, device = static_s, "none", {}
+    if features is not None:    # the device's time (MBU / MFU against it)
+        from .device_model import price
+        device = price(est_s, features, generation)
+        time_s, calibration = device["time_s"], device["calibration"]
     mfu_of_peak = need.flops / time_s / info.bf16_ops_per_second if time_s else 0.0
-    bound = "estimate" if time_s == est_s else ("memory" if time_s == mem_s else "compute")
     rate_ok = est_s * RATE_TOLERANCE >= max(mem_s, cmp_s)
     return dict(cycles=float(cycles), estimate_s=est_s, memory_bound_s=mem_s, compute_bound_s=cmp_s,
-                time_s=time_s, active_bound=bound, hbm_bytes=need.hbm_bytes, flops=need.flops,
+                time_s=time_s, static_s=static_s, calibration=calibration, device_bound=device.get("device_bound"),
+                fixed_s=device.get("fixed_s"), active_bound=bound, hbm_bytes=need.hbm_bytes, flops=need.flops,
                 mbu=need.hbm_bytes / time_s / info.mem_bw_bytes_per_second if time_s else 0.0,
                 mfu=mfu_of_peak / max_mxu_utilization(model.head_dim, cal), mfu_of_peak=mfu_of_peak,
                 clock_hz=cal.clock_hz, clock_source=cal.clock_source, rate_ok=rate_ok,

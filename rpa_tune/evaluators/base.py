@@ -93,6 +93,9 @@ class EvalResult:
     audit: str | None = None                # compile: complete | incomplete (estimator.audit)
     clock_hz: float | None = None           # compile: the calibrated clock cycles are converted at
     clock_source: str | None = None
+    static_s: float | None = None           # the static estimate's time (metric: the device-cost model's)
+    calibration: str | None = None          # the device-cost model's calibration version ("none": static)
+    walk: dict | None = None                # device_model.Features of the config's walk (re-pricing)
 
     def __post_init__(self):
         if self.status not in STATUSES:
@@ -174,9 +177,13 @@ def initial_vmem_limit(predicted_bytes: int, capacity: int) -> int:
 
 
 def task_vmem_limit(task: "Task", kern, capacity: int) -> int:
-    """The scoped VMEM limit a task's first compile asks for: ``kern``'s
-    (``TunedKernel.compile_vmem_limit``) for the task's predicted scratch (the sweep's
-    prediction, else the kernel's own, ``TunedKernel.predicted_vmem_bytes``)."""
+    """The scoped VMEM limit a task's first compile asks for: the one ``kern`` runs with
+    (``TunedKernel.compile_vmem_limit``; all of VMEM for tpu-inference, ours' own default
+    for its scratch) for the task's predicted scratch (the sweep's prediction, else the
+    kernel's own, ``TunedKernel.predicted_vmem_bytes``). The one rule the compile and tpu
+    backends, ``rpa_tune.estimator.public``'s default and ``benchmarks/vs_public.py`` share;
+    a profiled compile at it gets the VMEM size override its kernel needs
+    (``rpa_tune.estimator.profiler.deviceless_vmem_args``)."""
     predicted = task.vmem_predicted_bytes
     if predicted is None:
         predicted = kern.predicted_vmem_bytes(task.model, task.limits, task.bs, task.case)

@@ -97,12 +97,14 @@ class CompileEvaluator(Evaluator):
         if status == "ok" and not self.profile:
             return EvalResult(base.OK, "compile", message="; ".join(notes), **common)
         if status == "ok":
-            from rpa_tune.estimator import audit, compose
+            from rpa_tune.estimator import audit, compose, device_model
             cycles = compose.model_from_json(r["model"]).cycles(task.workload)
             walk = kern.walk(task.workload, task.model, task.case, task.bs, task.limits.page_size,
                              sliding_window=task.sliding_window)
+            feats = device_model.features(kern, task.workload, task.model, task.case, task.bs,
+                                          task.limits.page_size, task.generation, task.sliding_window)
             t = audit.time_model(cycles, task.workload, task.model, task.generation, task.case,
-                                 sliding_window=task.sliding_window, walk=walk)
+                                 sliding_window=task.sliding_window, walk=walk, features=feats)
             verdict, reasons = r["audit"], list(r["reasons"])
             if not t["rate_ok"]:
                 verdict, reasons = audit.INCOMPLETE, reasons + [t["rate_note"]]
@@ -118,6 +120,7 @@ class CompileEvaluator(Evaluator):
                               estimate_s=t["estimate_s"], memory_bound_s=t["memory_bound_s"],
                               compute_bound_s=t["compute_bound_s"], active_bound=t["active_bound"],
                               audit=verdict, clock_hz=t["clock_hz"], clock_source=t["clock_source"],
+                              static_s=t["static_s"], calibration=t["calibration"], walk=feats.to_json(),
                               samples=1, message="; ".join(notes), **common)
         if status == base.VMEM_OOM:
             vm = r.get("vmem") or {}
