@@ -126,8 +126,9 @@ PREFILL_LENS = (1024, 2048, 4096)
 MIXED_STEP = ([4, 4, 4, 4, 128], [2048, 2048, 2048, 2048, 640])   # 4 speculative-decode rows + a chunk
 RSS_CAP = 14 << 30
 # VMEM OOM retries (``piece``): 1 raised the scoped limit once; 2 also lowers it after a
-# whole-program OOM under the profiler (``rpa_tune.evaluators.base.next_vmem_limit``)
-VMEM_RULE = 2
+# whole-program OOM under the profiler (``rpa_tune.evaluators.base.next_vmem_limit``); 3 the
+# public kernel at the limit it runs with, all of VMEM (``_with_vmem_retries``)
+VMEM_RULE = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -291,11 +292,15 @@ def piece(kernel: str, gen: str, case: Case, bs: BlockSizes, page: int, q_lens, 
 
 
 def _with_vmem_retries(gen: str, variant: Variant, run):
-    """``(result, limit)`` of ``run(options)`` (the variant's options; None limit: the
-    kernel's default), compiled again after a VMEM OOM as the tuner does
-    (rpa_tune.evaluators.compile): with the scoped limit the compiler asked for, or, after
-    a whole-program OOM under the profiler, the least limit the kernel's scoped
-    allocations fit in (``next_vmem_limit``; never a limit already tried)."""
+    """``(result, limit)`` of ``run(options)`` (the variant's options; None limit: the limit
+    the kernel runs with, the tuner's rule, ``rpa_tune.evaluators.base.task_vmem_limit``:
+    each builder defaults to it, all of VMEM for the public kernel, whose profiled compiles
+    get the VMEM size override, ``profiler.deviceless_vmem_args``), compiled again after a
+    VMEM OOM as the tuner does (rpa_tune.evaluators.compile): with the scoped limit the
+    compiler asked for, or, after a whole-program OOM under the profiler, the least limit
+    the kernel's scoped allocations fit in (``next_vmem_limit``; never a limit already
+    tried). (No plain compile decides here: a public config within the profiler's own few
+    tens of KiB of the capacity stays ``vmem_oom``; docs/estimator.md.)"""
     limit, tried = None, set()
     r = run(dict(variant.options))
     while r["status"] == "vmem_oom":

@@ -486,7 +486,9 @@ def probe_config(*, builder: str, case: Case | str, bs: BlockSizes, tpu: str, mo
     public kernel, ``rpa_tune.estimator.public``): its audit does not ask for those bytes
     (default: the kernel's ``writes_kv_cache``).
     ``extra_libtpu_args``: more libtpu flags for the profiled compiles (the VMEM size
-    override, ``rpa_tune.evaluators.compile``); part of the cache key.
+    override, ``rpa_tune.evaluators.compile``); part of the cache key, and so is the VMEM
+    size override a kernel that runs with all of VMEM gets at the scoped limit of
+    ``options`` (``profiler.deviceless_vmem_args``).
     ``rss_cap``: each profiler child's memory cap (default ``profiler.rss_cap_bytes()``); a
     recorded crash at a lower cap is profiled again.
     The probes' cycles are also checked against each other (``inconsistent_probes``, on
@@ -522,6 +524,12 @@ def probe_config(*, builder: str, case: Case | str, bs: BlockSizes, tpu: str, mo
         doc["partial_probe"] = True             # (the others' probes, and cache keys, are unchanged)
     if extra_libtpu_args:
         doc["libtpu_args"] = extra_libtpu_args
+    # the VMEM size override the kernel's profiled compiles get at this limit (a kernel
+    # that runs with all of VMEM: ``profiler.deviceless_vmem_args``): another size, or
+    # another rule, is another verdict
+    profiled_args = profiler.deviceless_vmem_args(builder, dict(tpu=tpu, options=options or {}), extra_libtpu_args)
+    if profiled_args != extra_libtpu_args:
+        doc["profiled_libtpu_args"] = profiled_args
     doc.update(plan.cache_tags)
     walk_new = plan.walk_new
     source = kernel_hash()       # what the cache key holds; every probe must have compiled it
@@ -591,7 +599,8 @@ def probe_config(*, builder: str, case: Case | str, bs: BlockSizes, tpu: str, mo
         w = p.workload(case)
         req = dict(doc, workload=dict(q_lens=list(w.q_lens), kv_lens=list(w.kv_lens),
                                       distribution=list(w.distribution)), block_sizes=list(bs))
-        for k in ("builder", "bs", "profiler", "libtpu_args", "partial_probe", *dict(plan.cache_tags)):
+        for k in ("builder", "bs", "profiler", "libtpu_args", "profiled_libtpu_args", "partial_probe",
+                  *dict(plan.cache_tags)):
             req.pop(k, None)
         if lost is not None:
             req["place_new_kv"] = True

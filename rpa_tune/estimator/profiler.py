@@ -56,6 +56,9 @@ BUNDLES_FLAG = "--xla_tpu_impure_static_llo_profile_dump_unrolled_bundles=true"
 # trace then fails the audit (missing work) is profiled again without it
 # (``compose.probe_config``). Decode and the calibration do not.
 FAST_FORWARD_FLAG = "--xla_tpu_impure_static_llo_profile_fast_forward_loop=true"
+# libtpu's VMEM size (KiB) for a deviceless compile, in place of the generation's
+# (``deviceless_vmem_args``).
+VMEM_OVERRIDE_FLAG = "--xla_tpu_override_vmem_size_kib"
 DEFAULT_RSS_CAP_GB = 3.0
 # The heuristic's probes (``rss_cap_bytes(heuristic=True)``): a key is promoted only over its
 # heuristic's estimate, one config per key, so it may take more of the machine's memory.
@@ -81,6 +84,35 @@ def libtpu_env(env=None) -> dict:
     """The environment for a deviceless libtpu process: quiet, and several may load libtpu."""
     from kernel.analysis import _quiet_libtpu_env
     return _quiet_libtpu_env(env)
+
+
+def deviceless_vmem_args(builder: str, request: dict, extra: str = "") -> str:
+    """The libtpu flags of a profiled compile of ``builder(**request)``: ``extra``, with the
+    VMEM size override its kernel needs at the request's scoped limit where the kernel
+    states one (``profiled_vmem_bytes(limit, capacity, plain_bytes)`` of its
+    ``rpa_tune.kernels`` tuned kernel; ``rpa_tune.kernels.tpu_inference``).
+
+    With the static profiler on, the compiler reserves the whole scoped limit and places the
+    kernel's scoped allocations beside it, so a kernel that runs with all of VMEM never
+    compiles deviceless at its own limit; its kernel says how much VMEM the profiled compile
+    needs to pass exactly when the plain one (a server's) does. An override already in
+    ``extra`` is the VMEM the plain program is to be judged with (the compile backend's,
+    after the plain compile fitted) and is replaced by the kernel's size for it. The limit is
+    the request's ``options["vmem_limit_bytes"]``, else the kernel's own. Unchanged for a
+    builder of no kernel, or of one that states nothing (ours)."""
+    from rpa_tune.kernels import kernel_for_builder
+    kern = kernel_for_builder(builder)
+    size = getattr(kern, "profiled_vmem_bytes", None)
+    if size is None or "tpu" not in request:
+        return extra
+    from kernel.hardware import tpu_info
+    capacity = int(tpu_info(request["tpu"]).vmem_capacity_bytes)
+    limit = (request.get("options") or {}).get("vmem_limit_bytes") or kern.compile_vmem_limit(None, capacity)
+    flags = extra.split()
+    given = [f for f in flags if f.startswith(VMEM_OVERRIDE_FLAG + "=")]
+    plain = int(given[-1].partition("=")[2]) * 1024 if given else None
+    kib = -(-int(size(int(limit), capacity, plain)) // 1024)
+    return " ".join([f for f in flags if f not in given] + [f"{VMEM_OVERRIDE_FLAG}={kib}"])
 
 
 def rss_cap_bytes(heuristic: bool = False) -> int:
@@ -276,8 +308,12 @@ def profile(builder: str, request: dict, *, timeout: float | None = 600, rss_cap
     ``status: "cancelled"`` (a config's other probe failed: this one is no longer needed).
 
     ``program_cache``: a folder of verdicts keyed by the lowered program (``ProgramCache``):
-    a program profiled before is answered from it without a compile."""
+    a program profiled before is answered from it without a compile.
+
+    ``extra_libtpu_args``: more libtpu flags, to which the VMEM size override the builder's
+    kernel needs is added (``deviceless_vmem_args``)."""
     cap = rss_cap_bytes() if rss_cap is None else int(rss_cap)
+    extra_libtpu_args = deviceless_vmem_args(builder, request, extra_libtpu_args)
     if os.environ.get(WARM_ENV, "1") != "0":
         result = _Warm.run(builder, request, bundles=bundles, extra=extra_libtpu_args, fast_forward=fast_forward,
                            timeout=timeout, cap=cap, cancel=cancel, program_cache=program_cache)

@@ -72,9 +72,15 @@ Other choices:
   it in HBM. The outer jit donates the cache (and q / k / v, as the public jit does):
   without it XLA adds a copy of the cache (placed in VMEM when small), and the page DMAs
   are costed from there.
-* ``vmem_limit_bytes`` defaults to half the chip's VMEM: deviceless, the compiler reserves
-  the whole limit and adds the kernel's scratch and spills on top, so the public default
-  (all of VMEM) never compiles, and half fits whenever scratch + spills <= half.
+* ``vmem_limit_bytes`` defaults to the limit the kernel runs with, all of the chip's VMEM
+  (``rpa_tune.kernels.tpu_inference``: ``vmem_limit``). A plain deviceless compile at it is
+  a server's; with the static profiler on, the compiler reserves the whole limit ("HLO
+  temp") and places the kernel's scratch and spills beside it, so at all of VMEM the
+  profiled compile never fits the chip. ``profiler.profile`` therefore gives it libtpu's
+  VMEM size override, sized to the chip's VMEM plus the limit
+  (``profiler.deviceless_vmem_args``): it then fails exactly where the plain compile fails
+  (measured on TPU7x, both ways, at and beside the capacity: notebook.md), and its cycles
+  and trace are those of the same program at half the VMEM.
 
 KV-cache write-back is off (``update_kv_cache=False``, the kernel's KV-sharing mode). With
 it on, the profiler aborts: "Static LLO profiling of ... failed: INTERNAL: No DMA issue
@@ -481,7 +487,8 @@ def lower(*, workload: dict, block_sizes, tpu: str, model: dict, limits: dict, c
     vmem_bytes = int(tpu_info(gen.name).vmem_capacity_bytes)
     num_pages = _num_pages(segs, m, lim.page_size, vmem_bytes)
     if vmem_limit is None:
-        vmem_limit = vmem_bytes // 2
+        from rpa_tune.kernels.tpu_inference import KERNEL as TUNED
+        vmem_limit = TUNED.vmem_limit(vmem_bytes)
 
     topo = topologies.get_topology_desc(platform="tpu", topology_name=gen.topology)
     sharding = jax.sharding.SingleDeviceSharding(topo.devices[0])

@@ -45,9 +45,18 @@ class Ours(TunedKernel):
         from .. import prefilter
         return prefilter.predicted_bytes(model, limits, bs, case)
 
-    def compile_vmem_limit(self, predicted, capacity: int) -> int:
+    def vmem_limit(self, capacity: int, predicted: int | None = None) -> int:
+        """The scoped VMEM limit it runs with on a chip of ``capacity`` bytes of VMEM for a
+        config of ``predicted`` scratch bytes, without a table's limit: its own call's
+        (``kernel.vmem.default_vmem_limit``: scratch + 50 % + 2 MiB, at least 16 MiB, at most
+        half the capacity). A table entry records the limit it was tuned with (the compile
+        backend raises it, up to the capacity, where the compiler asks for more), and the
+        kernel then runs with that one."""
         from ..evaluators.base import initial_vmem_limit
         return initial_vmem_limit(predicted, capacity)
+
+    def compile_vmem_limit(self, predicted, capacity: int) -> int:
+        return self.vmem_limit(capacity, predicted)
 
     def probe_plan(self, case: Case, bs: BlockSizes, tpu: str, model, page_size: int) -> ProbePlan:
         from ..estimator import ours

@@ -8,6 +8,12 @@ the kernel vLLM-TPU and SGLang-JAX run, as a tuned kernel.
   decode (one sequence's one token per q block).
 * Its baseline is its own ``get_default_block_sizes``, computed by the installed package
   for the target generation (None where it has none, e.g. v4).
+* Its VMEM limit is all of the chip's VMEM on every generation (its own default,
+  ``pltpu.get_tpu_info().vmem_capacity_bytes``, which vLLM-TPU's call leaves in place):
+  ``vmem_limit``, the one rule its compile verdicts, its device call and
+  ``benchmarks/vs_public.py`` use. Deviceless, the static profiler's compile reserves the
+  whole limit beside the kernel's scoped allocations, so its profiled compiles get libtpu's
+  VMEM size override (``profiled_vmem_bytes``; ``rpa_tune.estimator.profiler``).
 * Its version is its package version: editing our kernel does not touch its results.
 * Its tables live in ``<tables>/tpu-inference/``; its block sizes reach servers through
   ``rpa-tune export --format vllm-env`` / ``sglang``.
@@ -55,6 +61,26 @@ class TpuInference(TunedKernel):
     def heuristic(self, key: TuningKey, *, max_num_seqs: int = 128) -> BlockSizes | None:
         return public_default_block_sizes(key, max_num_seqs=max_num_seqs)
 
+    def vmem_limit(self, capacity: int, predicted: int | None = None) -> int:
+        """The scoped VMEM limit it runs with on a chip of ``capacity`` bytes of VMEM: all of
+        it, on every generation (its ``ragged_paged_attention`` defaults ``vmem_limit_bytes``
+        to the chip's VMEM capacity), whatever its scratch (``predicted``)."""
+        return int(capacity)
+
+    def compile_vmem_limit(self, predicted, capacity: int) -> int:
+        return self.vmem_limit(capacity, predicted)     # its configs are judged at the limit it runs with
+
+    def profiled_vmem_bytes(self, limit: int, capacity: int, plain_bytes: int | None = None) -> int:
+        """The VMEM size (libtpu's ``--xla_tpu_override_vmem_size_kib``) a profiled
+        deviceless compile at scoped ``limit`` is given so that it passes exactly when the
+        plain compile does with ``plain_bytes`` of VMEM (default ``capacity``): ``plain_bytes +
+        limit``. With the static profiler on, the compiler reserves the whole scoped limit as
+        "HLO temp" and places the kernel's scoped allocations (scratch, spill slots) beside
+        it; the plain compile (a server's) places them inside the limit. The scoped-limit
+        check is the same in both. (Measured on TPU7x: docs/estimator.md, "Lowering
+        deviceless".)"""
+        return int(plain_bytes if plain_bytes is not None else capacity) + int(limit)
+
     def probe_plan(self, case: Case, bs: BlockSizes, tpu: str, model, page_size: int) -> ProbePlan:
         # its probes' audit counts run-time-sized page DMAs at one page (audit doc), and its
         # decode probes walk the new token separately (compose.pipeline_steps)
@@ -67,7 +93,7 @@ class TpuInference(TunedKernel):
         kw, kv_dtype = ({}, None) if task is None else (device_kwargs(task), task.model.kv_dtype)
         return DeviceCall(load_kernel_module().ragged_paged_attention,
                           f"RPA{case[0]}-p_{page_size}-bq_{bs.bq}_{bs.cq}-bkv_",
-                          vmem_limit_bytes=capacity,     # its own default: all of VMEM
+                          vmem_limit_bytes=self.vmem_limit(capacity),
                           kwargs=kw, new_kv_dtype=kv_dtype)   # it requires K/V in the cache's dtype
 
 
@@ -90,7 +116,8 @@ def device_kwargs(task) -> dict:
     estimator lowers it with (``rpa_tune.estimator.public.lower``: ``sm_scale``,
     ``chunk_prefill_size``, the case's block sizes, None for the other cases (its own
     defaults), ``sliding_window`` / ``soft_cap`` when the key has them), without the
-    estimator's deviceless-only choices (``update_kv_cache=False``, half of VMEM)."""
+    estimator's deviceless-only choice (``update_kv_cache=False``); the VMEM limit is passed
+    apart (``TpuInference.vmem_limit``)."""
     case = Case.parse(task.case)
     bst = tuple(int(v) for v in task.bs)
     kw = dict(sm_scale=task.model.head_dim ** -0.5, chunk_prefill_size=chunk_prefill_size(case, task.workload),
