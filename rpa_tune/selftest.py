@@ -378,7 +378,7 @@ def run_check(check: Check, dev: Device) -> dict:
 
 def _result_dict(res) -> dict:
     keep = ("status", "method", "metric", "spread", "samples", "compile_s", "vmem_limit_bytes", "audit",
-            "active_bound", "message")
+            "active_bound", "static_s", "calibration", "message")
     d = res.to_json()
     return {k: d.get(k) for k in keep}
 
@@ -505,8 +505,8 @@ def markdown(rep: dict) -> str:
         lines += ["", "Failures:", ""] + [f"* {r['name']}: {'; '.join(r['problems'])}" for r in bad]
     lines += ["", "## Probes: device time (`measured`) beside the deviceless `estimate`", "",
               f"{rep['scope']}", "",
-              "| kernel | case | key | block sizes | measured µs | spread | samples | estimate µs | audit "
-              "| estimate / measured |",
+              "| kernel | case | key | block sizes | measured µs | spread | samples | estimate µs | audit, "
+              "calibration | estimate / measured |",
               "|---|---|---|---|---:|---:|---:|---:|---|---:|"]
     notes = []
     for p in rep["probes"]:
@@ -516,8 +516,9 @@ def markdown(rep: dict) -> str:
         est = _us(e.get("metric")) if e["status"] == "ok" else e["status"]
         ratio = "-" if p["estimate_over_measured"] is None else f"{p['estimate_over_measured']:.2f}"
         bs = "-" if p["block_sizes"] is None else str(tuple(p["block_sizes"]))
+        how = ", ".join(x for x in (e.get("audit"), e.get("calibration")) if x) or "-"
         lines.append(f"| {p['kernel']} | {p['case']} | `{p['key']}` | {bs} | {meas} | {spread} | "
-                     f"{m.get('samples') or '-'} | {est} | {e.get('audit') or '-'} | {ratio} |")
+                     f"{m.get('samples') or '-'} | {est} | {how} | {ratio} |")
         if m["status"] != "ok":
             notes.append(f"* {p['kernel']} {p['case']}, measured: {m['status']}: {(m.get('message') or '')[-300:]}")
         if e["status"] != "ok":
@@ -525,8 +526,9 @@ def markdown(rep: dict) -> str:
     if notes:
         lines += ["", "Notes:", ""] + notes
     lines += ["", "Labels: `measured` = device time by the tpu backend (median of the samples, spread = "
-              "interquartile range / median); `estimate` = the compile backend's audited static estimate "
-              "(an `incomplete` audit is never used to rank). Full rows: `selftest.json`.", ""]
+              "interquartile range / median); `estimate` = the compile backend's deviceless estimate (its "
+              "audit verdict, an `incomplete` one never ranks, and the device-cost calibration it is priced "
+              "with; `static_s` in the JSON: the static estimate alone). Full rows: `selftest.json`.", ""]
     return "\n".join(lines)
 
 
