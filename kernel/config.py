@@ -21,6 +21,9 @@ class Case(str, enum.Enum):
     DECODE = "decode"
     PREFILL = "prefill"
     MIXED = "mixed"
+    # A server's stage, not a kernel of ours: SGLang-JAX's target-verify (a few draft tokens
+    # per sequence), run by its mixed kernel under its own table stage. Not in CASES.
+    VERIFY = "verify"
 
     @classmethod
     def parse(cls, value: "Case | str") -> "Case":
