@@ -86,7 +86,7 @@ class Workload:
         """All sequences in one case."""
         n = len(q_lens)
         case = Case.parse(case)
-        dist = {Case.DECODE: (n, n, n), Case.PREFILL: (0, n, n), Case.MIXED: (0, 0, n)}[case]
+        dist = {Case.DECODE: (n, n, n), Case.PREFILL: (0, n, n), Case.MIXED: (0, 0, n), Case.VERIFY: (0, 0, n)}[case]
         return cls(tuple(q_lens), tuple(kv_lens), dist)
 
     @classmethod
@@ -110,7 +110,7 @@ class Workload:
 
     def case_range(self, case: Case) -> tuple[int, int]:
         i, j, k = self.distribution
-        return {Case.DECODE: (0, i), Case.PREFILL: (i, j), Case.MIXED: (j, k)}[Case.parse(case)]
+        return {Case.DECODE: (0, i), Case.PREFILL: (i, j), Case.MIXED: (j, k), Case.VERIFY: (j, k)}[Case.parse(case)]
 
     def check_fits(self, limits: ServingLimits) -> None:
         if self.num_seqs > limits.max_num_seqs:

@@ -239,6 +239,8 @@ def _build_specs(*, tpu, case, model, q_heads, kv_heads, head_dim, dtype, kv_dty
     if workload is not None and not workload.is_file():
         raise UsageError(f"--workload {str(workload)!r} is not a file")
     cases = [Case.DECODE, Case.PREFILL, Case.MIXED] if case == "all" else [Case.parse(case)]
+    if any(c.value not in kern.cases for c in cases):
+        raise UsageError(f"--case {case}: not a stage of --kernel {kern.name}; valid: {', '.join(kern.cases)}")
     from .engine import SweepSpec, plan_sweep, problem_key
     if dry_run and backend == "auto":
         be, note = "compile", "dry run: auto not probed, assuming compile"

@@ -20,6 +20,11 @@ tokens (the memory traffic) within rounding of the drawn sample.
   (16-64 new tokens), eight speculative-decoding sequences (4 tokens each), sixteen
   decode-like sequences (1 token) and prefill chunks of at most 1024 tokens over the
   rest (a quarter of the bucket at least), contexts lognormal(2048, 0.8), quantised.
+* verify (SGLang-JAX's target-verify stage): ``num_seqs`` sequences of ``draft`` tokens
+  each (default 4: the draft tokens a speculative step verifies) on long contexts,
+  lognormal(median 8192, sigma 0.5) unless ``--context`` gives another distribution,
+  quantised to 4 levels; as many sequences as the bucket holds (``max_num_tokens //
+  draft``) at most.
 * file (``--workload FILE``): JSON (a list of ``{"q_len":, "kv_len":}`` objects, or
   ``{"sequences": [...]}``) or CSV with columns ``q_len,kv_len`` and optionally
   ``case``. Without a ``case`` column, decode uses the rows with ``q_len == 1``, prefill
@@ -173,6 +178,25 @@ def mixed_workload(limits: ServingLimits, *, context: str = "lognormal:2048:0.8"
                f"decode), context {context}, seed {seed}")
 
 
+VERIFY_DRAFT = 4                          # draft tokens per sequence of a verify step
+VERIFY_CONTEXT = "lognormal:8192:0.5"     # its contexts: long ones
+DEFAULT_CONTEXT = "lognormal:2048:0.8"    # the decode / mixed generators' (and --context's) default
+
+
+def verify_workload(limits: ServingLimits, *, num_seqs: int = 64, draft: int = VERIFY_DRAFT,
+                    context: str = VERIFY_CONTEXT, levels: int = 4, seed: int = 0) -> tuple[Workload, str]:
+    """A target-verify step: ``draft`` query tokens for each of ``num_seqs`` sequences (as
+    many as the token bucket and ``max_num_seqs`` hold) after long contexts, quantised to
+    ``levels`` values. Its sequences are in the workload's mixed range (the kernel that runs it)."""
+    draft = max(1, min(int(draft), limits.max_num_tokens, limits.max_model_len))
+    n = max(1, min(num_seqs, limits.max_num_seqs, limits.max_num_tokens // draft))
+    rng = np.random.default_rng([seed, 4])
+    ctx = draw_lengths(context, n, rng)
+    kv = quantise(np.clip(ctx + draft, draft, limits.max_model_len), levels)
+    w = Workload.of_case(Case.VERIFY, [draft] * n, [max(draft, int(v)) for v in kv])
+    return w, f"verify gen: {n} seqs of {draft} draft tokens, context {context}, {levels} levels, seed {seed}"
+
+
 # --------------------------------------------------------------------------- files
 def read_workload_file(path: str | Path) -> list[tuple[int, int, str | None]]:
     """Rows ``(q_len, kv_len, case or None)`` from a JSON or CSV file."""
@@ -273,6 +297,9 @@ def make_workload(case: Case | str, limits: ServingLimits, *, seed: int = 0, pat
         w, origin = decode_workload(limits, num_seqs=num_seqs, context=context, seed=seed)
     elif case == Case.PREFILL:
         w, origin = prefill_workload(limits, chunk=chunk, num_chunks=num_chunks, seed=seed)
+    elif case == Case.VERIFY:
+        w, origin = verify_workload(limits, num_seqs=num_seqs, seed=seed,
+                                    context=VERIFY_CONTEXT if context == DEFAULT_CONTEXT else context)
     else:
         w, origin = mixed_workload(limits, context=context, seed=seed)
     try:

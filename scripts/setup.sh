@@ -47,4 +47,7 @@ pip_install -e ".[test]"
 # The public RPA v3 kernel (compared side by side by rpa_tune.estimator.public). No deps:
 # tpu-inference's dependencies pull in vllm; its kernel module needs only jax.
 pip_install --no-deps tpu-inference==0.32.0
+# SGLang-JAX's copy of the v3 kernel (`--kernel sglang-jax`; rpa_tune.public_kernel.SGLANG_JAX).
+# No deps either: they pull its server; its kernel module needs only jax.
+pip_install --no-deps sglang-jax==0.1.0rc0
 echo "setup: .venv ready ($(.venv/bin/python --version))" >&2

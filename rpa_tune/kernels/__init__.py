@@ -71,6 +71,7 @@ class TunedKernel:
     records_vmem_limit: bool = False  # a table entry records the scoped VMEM limit it was tuned with
     baseline_may_be_missing: bool = False   # no default block sizes for some keys (none runs then)
     rejudgeable: bool = False         # its estimate rows can be re-audited (rpa_tune.estimator.rejudge)
+    cases: tuple = ("decode", "prefill", "mixed")   # the `--case` values it is tuned for
 
     # -- identity -------------------------------------------------------------------------
     def check_available(self) -> None:
@@ -142,7 +143,8 @@ class TunedKernel:
 # ------------------------------------------------------------------------------ registry
 # (name, "module:attr") of the kernels built in; the first is the default.
 BUILT_IN = (("rpa-tune", "rpa_tune.kernels.ours:KERNEL"),
-            ("tpu-inference", "rpa_tune.kernels.tpu_inference:KERNEL"))
+            ("tpu-inference", "rpa_tune.kernels.tpu_inference:KERNEL"),
+            ("sglang-jax", "rpa_tune.kernels.sglang_jax:KERNEL"))
 DEFAULT = BUILT_IN[0][0]          # this project's kernel
 REFERENCE = BUILT_IN[1][0]        # the public kernel side-by-side comparisons hold ours against
 KERNELS: dict[str, TunedKernel] = {}
