@@ -294,9 +294,12 @@ def tpu_here() -> tuple[str | None, str]:
     from .evaluators.tpu import probe_devices, tpu_generation_present
     probe = probe_devices()
     here = tpu_generation_present(probe)
+    err = probe.get("error")
+    err = " ".join(str(err[-1] if isinstance(err, list) and err else err or "").split())[-300:]
     found = f"a TPU {here} ({probe.get('device_kind')})" if here else (
         f"no TPU (platform {probe.get('platform')}" + (f", device {probe['device_kind']}" if probe.get("device_kind")
-                                                       not in (None, "cpu") else "") + ")")
+                                                       not in (None, "cpu") else "")
+        + (f"; the device probe: {err}" if err else "") + ")")
     return here, found
 
 
