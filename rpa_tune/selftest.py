@@ -42,7 +42,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kernel.config import BlockSizes, Case, block_size_errors, get_generation
+from kernel.config import BlockSizes, Case, get_generation
 from kernel.workload import ModelShape, ServingLimits, Workload
 
 SCHEMA = "rpa-tune-selftest/1"
@@ -309,7 +309,6 @@ def find_device() -> Device:
         err = f"; {probe['error']}" if probe.get("error") else ""
         raise NoTpu(f"no TPU here (platform {probe.get('platform')}{why}{err}): rpa-tune selftest runs on a TPU VM")
     if fake is not None:
-        import jax
         return Device(fake.device(), fake.platform, fake.device_kind, fake.generation, 1, fake)
     os.environ.pop("JAX_PLATFORMS", None)         # as the tpu backend's workers (worker_env)
     import jax
