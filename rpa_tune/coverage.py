@@ -6,11 +6,14 @@ sweeps it (``python -m rpa_tune.coverage plan`` prints its sweeps), ``rpa-tune r
 draws it as the coverage matrix, and ``tests/test_tables_shipped.py`` asserts the shipped
 tables hold it.
 
-Two plans of it, by backend (``plan(backend=...)``): ``compile`` (the default) prices what
-an estimate can cover, each key's explore buckets searched and the others filled from their
-cached probes; ``tpu`` times every key on the chip, v4's and TPU7x prefill / mixed included,
-every bucket searched (a device run costs the same for any config, so there is nothing to
-fill from). ``plan --backend tpu --here`` keeps the generation of the TPU on this machine.
+Two plans of it, by backend (``plan(backend=...)``): ``compile`` (the default) prices every
+key, each key's explore buckets searched and the others filled from their cached probes:
+with the static estimate where the profiler can price the programs, and ``modelled``
+(``compile_method``) where it cannot (v4, TPU7x prefill / mixed: ``needs_a_device`` says
+why), from the walk's features alone with the plain compile as the VMEM judge
+(``rpa_tune.evaluators.compile``); ``tpu`` times every key on the chip, every bucket
+searched (a device run costs the same for any config, so there is nothing to fill from).
+``plan --backend tpu --here`` keeps the generation of the TPU on this machine.
 
 * Shapes are per shard (``rpa_tune.presets``), plus the attention options a model's keys
   are tuned with: Gemma-2-9B's layers soft-cap their logits at 50 and every other one
@@ -39,16 +42,16 @@ import sys
 
 CASES = ("decode", "prefill", "mixed")
 GENERATIONS = ("v4", "v5e", "v5p", "v6e", "tpu7x")
-# Generations no estimate can cover here, and why: their keys need the tpu backend on a
-# device (``rpa-tune sweep --backend tpu``); the coverage matrix shows them as missing.
+# Generations no estimate can cover here, and why: the compile backend prices their keys
+# ``modelled`` (``compile_method``), a device times them (``rpa-tune sweep --backend tpu``).
 NEEDS_A_DEVICE = {
     "v4": "libtpu's static profiler refuses every v4 program ('Dma latency model is currently "
           "only supported on VF/VL/GF/GL'), so no v4 config has an estimate",
 }
 ESTIMABLE = tuple(g for g in GENERATIONS if g not in NEEDS_A_DEVICE)
-# Cases of an estimable generation whose estimates are refused, and why: the generation
-# skips them (``plan(estimable_only=True)``), ``rpa-tune export`` does not promote their
-# estimates, and they stay in the matrix (``expected_keys``) as keys for a device.
+# Cases of an estimable generation whose estimates are refused, and why: the compile backend
+# prices them ``modelled`` (``compile_method``; ``plan(estimable_only=True)`` skips them),
+# ``rpa-tune export`` does not promote their estimates, and a device times them.
 _TPU7X_PROBES = ("libtpu's static profiler charges our TPU7x prefill / mixed programs a fixed latency that "
                  "hides their cached-KV work (32 of 62 probed configs' cycles did not grow with their KV "
                  "steps: rpa_tune.estimator.compose.inconsistent_probes), so none of their estimates can "
@@ -60,6 +63,20 @@ def needs_a_device(generation: str, case: str) -> str | None:
     """Why keys of ``generation`` / ``case`` have no estimate here (they need the tpu
     backend on a device), or None when they are estimable."""
     return NEEDS_A_DEVICE.get(generation) or NEEDS_A_DEVICE_CASES.get((generation, case))
+
+
+ESTIMATE, MODELLED = "estimate", "modelled"
+
+
+def compile_method(generation: str, case: str) -> str:
+    """How the compile backend prices keys of ``generation`` / ``case`` (aliases accepted):
+    ``estimate`` (the static profiler's estimate under the device-cost model), or
+    ``modelled`` where no estimate is possible (``needs_a_device`` says why): the
+    device-cost model from the config's walk features alone, the plain deviceless compile
+    still the VMEM judge. Every config of a key is priced one way, so a key's ranking never
+    sets a modelled time against an estimate (``rpa-tune export`` ranks one method per key)."""
+    from kernel.config import Case, get_generation
+    return MODELLED if needs_a_device(get_generation(generation).name, Case.parse(case).value) else ESTIMATE
 BUCKETS = (128, 256, 512, 1024, 2048, 4096, 8192)
 # Buckets whose search proposes new configs; the others are filled from what these
 # evaluated (``rpa_tune.engine.sibling_configs``: priced from cached probes) plus their
@@ -207,15 +224,15 @@ BACKENDS = ("compile", "tpu")
 
 def plan(generations=None, shapes=SHAPES, cases=CASES, estimable_only: bool = False,
          backend: str = "compile") -> list[Sweep]:
-    """The matrix's sweeps for ``backend``. ``compile``: of the estimable generations by
-    default, an explore and a fill sweep per key (``bucket_roles``); ``estimable_only``:
-    without the cases no estimate can cover (``NEEDS_A_DEVICE_CASES``), as
-    ``tables/generate.sh`` runs it. ``tpu``: of every generation by default, what needs a
-    device included, one explore sweep of every bucket per key."""
+    """The matrix's sweeps for ``backend``, of every generation by default. ``compile``: an
+    explore and a fill sweep per key (``bucket_roles``), priced as ``compile_method`` says
+    (``modelled`` where no estimate is possible), as ``tables/generate.sh`` runs it;
+    ``estimable_only``: only the keys an estimate can price (the estimable generations,
+    without ``NEEDS_A_DEVICE_CASES``). ``tpu``: one explore sweep of every bucket per key."""
     if backend not in BACKENDS:
         raise ValueError(f"backend {backend!r}: valid are {', '.join(BACKENDS)}")
     if generations is None:
-        generations = GENERATIONS if backend == "tpu" else ESTIMABLE
+        generations = ESTIMABLE if backend == "compile" and estimable_only else GENERATIONS
     out = []
     for s in shapes:
         for g in generations:
@@ -233,7 +250,7 @@ def plan(generations=None, shapes=SHAPES, cases=CASES, estimable_only: bool = Fa
 
 
 def expected_keys(sweeps: list | None = None) -> list:
-    """Every ``TuningKey`` of ``sweeps`` (default: the whole plan, the estimable generations')."""
+    """Every ``TuningKey`` of ``sweeps`` (default: the whole plan)."""
     from kernel.config import TuningKey
     from .presets import get_preset
     keys = []
@@ -307,8 +324,8 @@ def main(argv: list[str]) -> int:
     """``python -m rpa_tune.coverage plan [--backend compile|tpu] [--here] [--gen G]
     [--shape NAME] [--case C] [--shard K/N]`` (``--gen``, ``--shape``, ``--case``
     repeatable): one line per sweep of the plan (``--shard``: of its part K of N, ``shard``):
-    its role, then its sweep arguments. ``compile`` (default): cases that need a device are
-    skipped, with a line on stderr; exit 2 when nothing else was asked for. ``tpu``: every
+    its role, then its sweep arguments. ``compile`` (default): every generation and case,
+    a line on stderr for those it prices ``modelled`` (``compile_method``); ``tpu``: every
     generation and case; ``--here``: only the generation of the TPU on this machine (exit 2
     in one line without one, or when ``--gen`` names another)."""
     import argparse
@@ -347,19 +364,12 @@ def main(argv: list[str]) -> int:
             gens = (here,)
         sweeps = plan(generations=gens, shapes=shapes, cases=cases, backend="tpu")
     else:
-        gens = tuple(a.gen or ESTIMABLE)
-        for g in set(gens) & set(NEEDS_A_DEVICE):
-            print(f"{g}: no estimate is possible ({NEEDS_A_DEVICE[g]}); its sweeps need --backend tpu on a {g}",
-                  file=sys.stderr)
-            return 2
-        skipped = sorted({(g, c) for g in gens for c in cases if needs_a_device(g, c)})
-        if skipped and len(skipped) == len(gens) * len(cases):
-            print(f"{', '.join(f'{g} {c}' for g, c in skipped)}: no estimate is possible "
-                  f"({needs_a_device(*skipped[0])}); their sweeps need --backend tpu on a device", file=sys.stderr)
-            return 2
-        for g, c in skipped:
-            print(f"skipped {g} {c} (needs a device: {needs_a_device(g, c)})", file=sys.stderr)
-        sweeps = plan(generations=gens, shapes=shapes, cases=cases, estimable_only=True)
+        gens = tuple(a.gen or GENERATIONS)
+        for g in gens:
+            for c in cases:
+                if compile_method(g, c) == MODELLED:
+                    print(f"modelled {g} {c} (no estimate: {needs_a_device(g, c)})", file=sys.stderr)
+        sweeps = plan(generations=gens, shapes=shapes, cases=cases)
     lines = [f"{sw.role} {shlex.join(sw.args())}\n" for sw in shard(sweeps, *part)]
     try:
         sys.stdout.writelines(lines)

@@ -2,9 +2,11 @@
 # Regenerate the shipped tables, resumably: the whole coverage matrix of rpa_tune/coverage.py
 # (generations x shapes x cases x page sizes, every token bucket in one sweep each).
 #   1. compile-backend sweeps (deviceless libtpu compiles, audited static estimates, method
-#      "estimate") into tables/results/. Rerunning resumes: a config already recorded for a
-#      key is not evaluated again, and a config's probe compiles are cached on disk
-#      (~/.cache/rpa-tune/probes) and shared by all token buckets of its key;
+#      "estimate"; "modelled" where no estimate is possible: v4, TPU7x prefill / mixed, priced
+#      by the device-cost model, the plain compile judging VMEM) into tables/results/.
+#      Rerunning resumes: a config already recorded for a key is not evaluated again, and a
+#      config's probe compiles are cached on disk (~/.cache/rpa-tune/probes) and shared by
+#      all token buckets of its key;
 #   2. compact the per-evaluation Parquet files into new append-only parts
 #      tables/results/compact-*.parquet (rpa_tune.store.compact: an existing part is never
 #      rewritten);
@@ -27,8 +29,8 @@
 #   tables/results and run the last two steps there (docs/tables.md, "Regenerating").
 # Options: --backend compile|tpu (default compile), --storage URL, --dry-run.
 #   --backend tpu times the plan on this machine's TPU (`rpa-tune sweep --backend tpu`): every
-#   key of the matrix for its generation, v4's and TPU7x prefill / mixed included (the
-#   compile plan skips them: no estimate), every bucket searched (no fill sweeps: --seeds is
+#   key of the matrix for its generation (v4's and TPU7x prefill / mixed timed, not
+#   modelled), every bucket searched (no fill sweeps: --seeds is
 #   for cached probes); without a TPU it says so in one line (exit 2). GENS narrows the plan
 #   as above but must name this TPU's generation.
 #   --storage URL (any backend) shares every sweep with the workers started with the same

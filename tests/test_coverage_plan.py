@@ -63,20 +63,26 @@ def test_plan_cli_quiet_when_the_reader_stops_early():
     assert "Traceback" not in r.stderr and "BrokenPipe" not in r.stderr, r.stderr
 
 
-def test_cases_that_need_a_device_stay_in_the_matrix_but_are_not_swept():
-    """TPU7x prefill / mixed: no audited estimate is possible (coverage.NEEDS_A_DEVICE_CASES).
-    The generation's plan skips them, with a line on stderr; they stay matrix keys."""
+def test_cases_without_an_estimate_are_planned_modelled():
+    """TPU7x prefill / mixed and v4: no audited estimate is possible (coverage.needs_a_device).
+    The compile plan prices them modelled (coverage.compile_method), with a line on stderr;
+    the estimable-only plan skips them."""
     pairs = {(sw.generation, sw.case) for sw in coverage.plan(estimable_only=True)}
     assert {("tpu7x", "prefill"), ("tpu7x", "mixed")}.isdisjoint(pairs) and ("tpu7x", "decode") in pairs
-    assert ("tpu7x", "prefill") in {(sw.generation, sw.case) for sw in coverage.plan()}
+    planned = {(sw.generation, sw.case) for sw in coverage.plan()}
+    assert {("tpu7x", "prefill"), ("v4", "decode"), ("v4", "mixed")} <= planned
     assert any(k.generation == "tpu7x" and k.case == "mixed" for k in coverage.expected_keys())
+    modelled = {(g, c) for g in coverage.GENERATIONS for c in coverage.CASES
+                if coverage.compile_method(g, c) == coverage.MODELLED}
+    assert modelled == {("v4", c) for c in coverage.CASES} | {("tpu7x", "prefill"), ("tpu7x", "mixed")}
+    assert coverage.compile_method("v7x", "decode") == coverage.ESTIMATE
     r = _plan("--gen", "tpu7x")
     assert r.returncode == 0 and r.stdout, r.stderr
-    assert all(" --case decode " in line for line in r.stdout.splitlines())
-    assert "skipped tpu7x prefill (needs a device" in r.stderr
-    r = _plan("--gen", "tpu7x", "--case", "mixed")
-    assert r.returncode == 2 and r.stdout == ""
-    assert len(r.stderr.strip().splitlines()) == 1 and "tpu7x mixed: no estimate is possible" in r.stderr
+    assert {line.split()[4] for line in r.stdout.splitlines()} == set(coverage.CASES)
+    assert "modelled tpu7x prefill (no estimate: " in r.stderr and "tpu7x decode" not in r.stderr
+    r = _plan("--gen", "v4", "--case", "mixed")
+    assert r.returncode == 0 and r.stdout and all(" --tpu v4 --case mixed " in line for line in r.stdout.splitlines())
+    assert r.stderr.strip().splitlines() == [f"modelled v4 mixed (no estimate: {coverage.NEEDS_A_DEVICE['v4']})"]
 
 
 def test_buckets_sharing_a_workload_are_filled_not_explored():
@@ -151,8 +157,10 @@ def test_the_tpu_plan_is_every_key_of_the_matrix_each_searched():
     device_only = _keys(tpu) - _keys(coverage.plan(estimable_only=True))
     assert {(k[0], k[2]) for k in device_only} == {("v4", c) for c in coverage.CASES} | {
         ("tpu7x", "prefill"), ("tpu7x", "mixed")}
-    # the compile plan is unchanged: v4 absent, TPU7x prefill / mixed skipped
+    # the estimable-only compile plan: v4 absent, TPU7x prefill / mixed skipped; the compile
+    # plan: every key (modelled where no estimate is possible)
     assert {sw.generation for sw in coverage.plan(estimable_only=True)} == set(coverage.ESTIMABLE)
+    assert _keys(coverage.plan()) == _matrix(coverage.GENERATIONS)
     with pytest.raises(ValueError, match="valid are compile, tpu"):
         coverage.plan(backend="gpu")
 
@@ -223,12 +231,12 @@ def test_generate_dry_run_tpu_lists_the_device_plan_with_its_options(tmp_path):
     for gen, case in [("v4", "prefill"), ("v4", "mixed"), ("tpu7x", "prefill"), ("tpu7x", "mixed")]:
         assert any(f"--tpu {gen} --case {case} " in line for line in lines), (gen, case)
     assert not (tmp_path / "fleet.db").exists()
-    # the compile plan's dry run: as before (no v4, TPU7x prefill / mixed skipped), with its seeds
-    r = _generate("--dry-run", env=_fake_env(None, GENS="v4"))
-    assert r.returncode == 2 and "need --backend tpu" in r.stderr
-    r = _generate("--dry-run", env=_fake_env(None, GENS="tpu7x", SHAPES="llama3-8b"))
+    # the compile plan's dry run: every key with its seeds, v4 and TPU7x prefill / mixed modelled
+    r = _generate("--dry-run", env=_fake_env(None, GENS="v4 tpu7x", SHAPES="llama3-8b"))
     lines = [line for line in r.stdout.splitlines() if line.startswith("[")]
-    assert r.returncode == 0 and lines and all("--case decode" in x and "--seeds 8" in x for x in lines), r.stderr
+    want = coverage.plan(generations=("v4", "tpu7x"), shapes=(coverage.SHAPES[3],))
+    assert r.returncode == 0 and len(lines) == len(want) and all("--seeds 8" in x for x in lines), r.stderr
+    assert "modelled v4 decode" in r.stderr and "modelled tpu7x mixed" in r.stderr
 
 
 def test_generate_refuses_bad_input_and_a_missing_tpu_in_one_line(tmp_path):

@@ -42,14 +42,18 @@ def evaluator_version(backend: str, case: str | None = None, generation: str | N
     """Version string of a backend's evaluator for ``case``'s keys on ``generation`` (part of
     ``config_id``), without instantiating it: the case's own (``Evaluator.case_versions``) or
     the evaluator's, then ``+<generation><n>`` where the generation has its own
-    (``Evaluator.generation_versions``), e.g. "compile-6+v5p1"."""
+    (``Evaluator.generation_versions``), e.g. "compile-6+v5p1", then what the evaluator's
+    ``version_tag(case, generation)`` adds, if it has one (the compile backend's modelled
+    keys: "compile-7+tpu7x1+modelled1")."""
     override = os.environ.get(EVALUATOR_OVERRIDE_ENV)
     if override:
         return "override:" + override
     cls = evaluator_class(backend)
     version = cls.case_versions.get(Case.parse(case).value, cls.version) if case is not None else cls.version
     gen = cls.generation_versions.get(generation) if generation is not None else None
-    return f"{cls.name}-{version}" + (f"+{generation}{gen}" if gen else "")
+    tag = getattr(cls, "version_tag", None)
+    extra = tag(Case.parse(case).value, generation) if tag and case is not None and generation is not None else ""
+    return f"{cls.name}-{version}" + (f"+{generation}{gen}" if gen else "") + extra
 
 
 __all__ = ["BACKENDS", "COMPILE_ERROR", "CRASH", "OK", "STATUSES", "TIMEOUT", "VMEM_OOM", "WRONG_RESULT",

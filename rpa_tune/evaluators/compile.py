@@ -26,6 +26,15 @@ Per config:
    the config's smallest probe decides (it is the VMEM judge); if it fits, the probes are
    profiled again with libtpu's VMEM size override (``VMEM_OVERRIDE_FLAG``, twice the
    capacity), which changes no cycle where both compile (docs/estimator.md).
+6. Where the profiler cannot price the programs (``rpa_tune.coverage.compile_method``:
+   v4, whose programs it refuses, and TPU7x prefill / mixed, whose cached-KV work it
+   hides), no profiled compile runs: the config is priced ``modelled``, the device-cost
+   model from its walk's features alone (``device_model.price`` without a static
+   estimate, the calibration named), never as an estimate. The compiler stays the VMEM
+   judge: the plain compile of the config's smallest probe at the limit of step 2 (limits
+   of the config's probes, so one verdict serves every token bucket; cached on disk per
+   program inputs, ``_verdict``) says ``vmem_oom`` / ``compile_error`` as for an estimate.
+   Its evaluator version says so (``+modelled<n>``), apart from any estimate of the key.
 
 The task's kernel (``rpa_tune.kernels``) picks the program: ours, or tpu-inference's RPA v3
 through ``rpa_tune.estimator.public`` (its first scoped VMEM limit is that lowering's
@@ -56,9 +65,18 @@ class CompileEvaluator(Evaluator):
     #    the tables' (rpa_tune.estimator.ours, PADDING_SENSITIVE: these generations' programs
     #    moved with that padding)
     generation_versions = {g: "1" for g in PADDING_SENSITIVE}
+    modelled_version = "1"   # the modelled pricing (module doc, step 6)
 
     def __init__(self, *, profile: bool = True):
         self.profile = profile   # False: VMEM verdict only (plain compile, no estimate)
+
+    @classmethod
+    def version_tag(cls, case: str, generation: str) -> str:
+        """What the evaluator version of ``case`` on ``generation`` adds: ``+modelled<n>``
+        where that key is priced ``modelled`` (step 6), so its rows never share a resume id
+        with an estimate of the same config."""
+        from ..coverage import MODELLED, compile_method
+        return f"+modelled{cls.modelled_version}" if compile_method(generation, case) == MODELLED else ""
 
     def evaluate(self, task: Task) -> EvalResult:
         from kernel.hardware import tpu_info
@@ -69,6 +87,11 @@ class CompileEvaluator(Evaluator):
         cap = int(tpu_info(task.generation).vmem_capacity_bytes)
         limit = base.task_vmem_limit(task, kern, cap)
         kind = f"deviceless {get_generation(task.generation).device_kind}"
+        if self.profile:
+            from ..coverage import MODELLED, compile_method, needs_a_device
+            if compile_method(task.generation, task.case) == MODELLED:
+                why = needs_a_device(get_generation(task.generation).name, task.case)
+                return self._modelled(task, kern, limit, cap, deadline, kind, why)
         notes = []
         compile_fn = self._estimate if self.profile else self._plain_compile
         tried, first_limit = {limit}, limit
@@ -103,8 +126,8 @@ class CompileEvaluator(Evaluator):
                              sliding_window=task.sliding_window)
             feats = device_model.features(kern, task.workload, task.model, task.case, task.bs,
                                           task.limits.page_size, task.generation, task.sliding_window)
-            t = audit.time_model(cycles, task.workload, task.model, task.generation, task.case,
-                                 sliding_window=task.sliding_window, walk=walk, features=feats)
+            t = device_model.time_model(cycles, task.workload, task.model, task.generation, task.case,
+                                        sliding_window=task.sliding_window, walk=walk, features=feats)
             verdict, reasons = r["audit"], list(r["reasons"])
             if not t["rate_ok"]:
                 verdict, reasons = audit.INCOMPLETE, reasons + [t["rate_note"]]
@@ -136,6 +159,82 @@ class CompileEvaluator(Evaluator):
                           message="; ".join(notes + [_tail(r.get("message", ""))]), **common)
 
     # -- steps ----------------------------------------------------------------------
+    def _modelled(self, task: Task, kern, limit: int, cap: int, deadline: float, kind: str, why: str) -> EvalResult:
+        """Step 6 of the module doc: the plain compile's VMEM verdict, then the device-cost
+        model's price of the walk's features (method ``modelled``)."""
+        from rpa_tune.estimator import device_model
+        small = _modelled_verdict_task(task, kern)
+        notes, tried = [], {limit}
+        r: dict = {"status": base.TIMEOUT, "message": f"no time left within {task.timeout:.0f} s"}
+        while deadline - time.monotonic() > 1:
+            r = self._verdict(small, kern, limit, deadline - time.monotonic())
+            new = _retry_limit(r, limit, cap, tried, notes)
+            if new is None:
+                break
+            limit = new
+        compile_s = (r.get("lower_s") or 0.0) + (r.get("compile_s") or 0.0) or None
+        common = dict(vmem_limit_bytes=limit, device_kind=kind, compile_s=compile_s)
+        w = small.workload
+        probe = (f"plain compile of the config's smallest probe ({len(w.q_lens)} sequences, {sum(w.q_lens)} "
+                 f"queries, {sum(w.kv_lens)} KV tokens)" + (", recorded" if r.get("cached") else ""))
+        status = r["status"]
+        if status == base.VMEM_OOM:
+            vm = r.get("vmem") or {}
+            return EvalResult(base.VMEM_OOM, device_model.MODELLED, vmem_reported_bytes=vm.get("used_bytes"),
+                              message="; ".join(notes + [f"{vm.get('kind')}: used {vm.get('used_bytes')} of "
+                                                         f"{vm.get('limit_bytes')} ({probe})"]), **common)
+        if status == base.TIMEOUT:
+            return EvalResult(base.TIMEOUT, device_model.MODELLED, message="; ".join(notes + [r.get("message", "")]),
+                              **common)
+        if status != "ok":
+            return EvalResult(base.COMPILE_ERROR, device_model.MODELLED,
+                              message="; ".join(notes + [_tail(r.get("message", ""))]), **common)
+        feats = device_model.features(kern, task.workload, task.model, task.case, task.bs, task.limits.page_size,
+                                      task.generation, task.sliding_window)
+        p = device_model.price(None, feats, task.generation)
+        from kernel.hardware import tpu_info
+        info = tpu_info(task.generation)
+        bw, peak = float(info.mem_bw_bytes_per_second), float(info.bf16_ops_per_second)
+        notes.append(f"modelled: no estimate ({why}); the device-cost model ({p['calibration']}) of the walk's "
+                     f"features alone, {p['device_bound'] or 'no'} bound; VMEM: {probe}")
+        return EvalResult(base.OK, device_model.MODELLED, metric=p["time_s"], memory_bound_s=feats.hbm_bytes / bw,
+                          compute_bound_s=feats.mxu_flops / peak, active_bound=p["device_bound"],
+                          calibration=p["calibration"], walk=feats.to_json(), samples=1,
+                          message="; ".join(notes), **common)
+
+    def _verdict(self, task: Task, kern, limit: int, remaining: float) -> dict:
+        """``_plain_compile``'s verdict, recorded on disk per program inputs (the kernel and
+        its version, the library versions, generation, case, shape, limits, block sizes,
+        options and workload): a config's verdict is compiled once for all its token buckets
+        and sweeps. Only the compiler's verdicts are kept (ok, vmem_oom, and a compile error
+        of a program that lowered)."""
+        import dataclasses
+        import hashlib
+        import json
+        import os
+        from rpa_tune.estimator.compose import _cache_dir
+        from rpa_tune.provenance import versions
+        w = task.workload
+        doc = dict(v=VERDICT_VERSION, builder=kern.builder, kernel=kern.config_version(), versions=versions(),
+                   tpu=get_generation(task.generation).name, case=task.case, model=dataclasses.asdict(task.model),
+                   limits=dataclasses.asdict(task.limits), bs=[int(x) for x in task.bs], options=_options(task, limit),
+                   workload=[list(w.q_lens), list(w.kv_lens), list(w.distribution)])
+        path = os.path.join(_cache_dir(), "verdicts",
+                            hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:24] + ".json")
+        try:
+            with open(path) as f:
+                return dict(json.load(f), cached=True, lower_s=0.0, compile_s=0.0)
+        except (OSError, ValueError):
+            pass
+        r = self._plain_compile(task, limit, remaining)
+        if r["status"] in ("ok", base.VMEM_OOM) or (r["status"] == base.COMPILE_ERROR and "compile_s" in r):
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            tmp = f"{path}.{os.getpid()}.tmp"
+            with open(tmp, "w") as f:
+                json.dump({k: v for k, v in r.items() if k not in ("lower_s", "compile_s")}, f)
+            os.replace(tmp, path)
+        return r
+
     def _estimate(self, task: Task, limit: int, remaining: float, extra_libtpu_args: str = "") -> dict:
         import dataclasses
         from rpa_tune.estimator import compose, profiler
@@ -236,6 +335,31 @@ def _verdict_task(task: Task) -> Task:
     return dataclasses.replace(task, workload=w, limits=limits)
 
 
+def _modelled_verdict_task(task: Task, kern) -> Task:
+    """``task`` with the config's smallest probe as its workload (without the mixed probes'
+    warm-up sequences, which only the cycle fit needs: one q block of ``bq`` tokens, or a
+    decode probe) and its probes' limits (the token bucket they are compiled at,
+    ``compose.probe_tokens``): the program a modelled config's VMEM verdict compiles, the
+    same for every token bucket of its key (step 6). The kernel's VMEM depends on its block
+    sizes and the model, not on the workload; a TPU7x mixed program with the warm-up
+    compiles about four times slower."""
+    import dataclasses
+    from rpa_tune.estimator import compose
+    case = compose.Case.parse(task.case)
+    plan = kern.probe_plan(case, task.bs, task.generation, task.model, task.limits.page_size)
+    plist = compose.probes(case, task.bs, task.limits.page_size, plan.skip_dead_chunks, plan.mixed_warm_up,
+                           long_walk=plan.long_walk)
+    small = min(compose.probes(case, task.bs, task.limits.page_size, plan.skip_dead_chunks, False, long_walk=False),
+                key=lambda p: (sum(p.kv_lens), sum(p.q_lens)))
+    w = small.workload(case)
+    lim = task.limits
+    limits = dataclasses.replace(
+        lim, max_num_tokens=compose.probe_tokens(plist), max_num_seqs=max(lim.max_num_seqs, len(w.q_lens)),
+        max_model_len=max(lim.max_model_len, compose.round_up(max(w.kv_lens), lim.page_size)))
+    return dataclasses.replace(task, workload=w, limits=limits)
+
+
+VERDICT_VERSION = "1"      # the verdict cache's key format (CompileEvaluator._verdict)
 VMEM_OVERRIDE_FLAG = "--xla_tpu_override_vmem_size_kib"
 _NOISE = ("could not determine TPU accelerator type", "Failed to find host bounds")
 
