@@ -3,8 +3,10 @@
 Both kernels are compiled deviceless by the same profiler child (``rpa_tune.estimator.
 profiler``: libtpu's static profiler with the unrolled bundle trace on), every compile is
 audited against the work its piece needs (``rpa_tune.estimator.audit``), and both go
-through the same time model: ``time = max(cycles / calibrated clock, bytes / HBM BW,
-FLOPs / achievable MXU peak)``. Each kernel is reported at its best config of the same
+through the same time model: the device-cost model (``rpa_tune.estimator.device_model``,
+the generation's calibration) over the static ``max(cycles / calibrated clock, bytes / HBM
+BW, FLOPs / achievable MXU peak)``, with each kernel's own walk counted for its fixed costs.
+Each kernel is reported at its best config of the same
 candidate set (``CANDIDATES``; the short-context decode rows: ``SHORT_DECODE_CANDIDATES``),
 ours also at decode groups of several sequences per step where they can pay off
 (``GROUP_CANDIDATES``: the public kernel has no such dimension).
@@ -73,6 +75,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import sys
 import time
 
@@ -485,13 +488,25 @@ def variant_rows(gens, only):
                     for k in KERNELS}, v
 
 
-def best(ests: dict, w: Workload, case: Case, gen: str, variant: Variant = BASE):
-    """The config with the least modelled time among complete-audit estimates (an incomplete
-    one wins only when no candidate is complete, and is marked); of configs at the same time
-    (both at a physical bound), the one with fewer cycles."""
-    def tm(e):
-        return audit.time_model(e.cycles, w, variant.model, gen, case, sliding_window=variant.sliding_window)
-    ok = [(bs, e, tm(e)) for bs, e in ests.items() if e.status == "ok"]
+TUNED = {"ours": "rpa-tune", "public": "tpu-inference"}     # the tuned kernel of each builder
+
+
+def best(ests: dict, w: Workload, case: Case, gen: str, variant: Variant = BASE, kernel: str | None = None,
+         page: int = 128):
+    """The config with the least time among complete-audit estimates (an incomplete one
+    wins only when no candidate is complete, and is marked); of configs at the same time
+    (both at a physical bound), the one with fewer cycles. With ``kernel`` ("ours" /
+    "public"), the time is the device-cost model's over the static estimate (the walk of
+    that kernel at ``page``; ``rpa_tune.estimator.device_model``), else the static time."""
+    from rpa_tune.estimator import device_model
+    from rpa_tune.kernels import get_kernel
+
+    def tm(bs, e):
+        feats = None if kernel is None else device_model.features(
+            get_kernel(TUNED[kernel]), w, variant.model, case, bs, page, gen, variant.sliding_window)
+        return device_model.time_model(e.cycles, w, variant.model, gen, case,
+                                       sliding_window=variant.sliding_window, features=feats)
+    ok = [(bs, e, tm(bs, e)) for bs, e in ests.items() if e.status == "ok"]
     if not ok:
         return None
     complete = [x for x in ok if x[1].audit == audit.COMPLETE]
@@ -591,7 +606,8 @@ def main() -> None:
              "|---|---|---:|---:|---|---:|---:|---|---:|"]
     notes = []
     for gen, name, case, w, per, v in (variant_rows if args.variants else rows)(gens, args.only):
-        b = {k: best(per[k], w, case, gen, v) for k in KERNELS}
+        page = int(re.search(r"page (\d+)", name).group(1)) if "page" in name else 128
+        b = {k: best(per[k], w, case, gen, v, k, page) for k in KERNELS}
         o, p = fmt_cell(b["ours"]), fmt_cell(b["public"])
         ratio = f"{b['ours'][2]['time_s'] / b['public'][2]['time_s']:.2f}" if b["ours"] and b["public"] else ""
         lines.append(f"| {gen} | {name} | {' | '.join(o)} | {' | '.join(p)} | {ratio} |")

@@ -26,6 +26,9 @@ import importlib.metadata
 import sys
 import types
 
+# tpu-inference's own TPU version numbers of the generations its kernel knows
+TPU_VERSION = {"v4": 4, "v5e": 5, "v5p": 5, "v6e": 6, "tpu7x": 7}
+
 PINNED_VERSION = "0.32.0"
 DISTRIBUTION = "tpu-inference"
 PACKAGE = "tpu_inference"

@@ -76,6 +76,11 @@ SCHEMA = pa.schema([
     ("walk_hbm_bytes", pa.float64()), ("walk_mxu_flops", pa.float64()),
 ])
 WALK_COLUMNS = ("walk_qblocks", "walk_steps", "walk_pages", "walk_hbm_bytes", "walk_mxu_flops")
+# Walk parts (``walk-*.parquet`` beside the results): the walk features of rows recorded
+# before the rows carried them, by ``config_id`` (``backfill_walk``); append-only like the
+# results, read by ``read_results_table`` into the rows' empty walk columns.
+WALK_PREFIX = "walk-"
+WALK_SCHEMA = pa.schema([("config_id", pa.string())] + [(c, SCHEMA.field(c).type) for c in WALK_COLUMNS])
 COLUMNS = tuple(SCHEMA.names)
 log = logging.getLogger("rpa_tune.store")
 
@@ -191,7 +196,7 @@ def result_files(paths) -> list[Path]:
     files = []
     for p in map(Path, paths):
         if p.is_dir():
-            files.extend(sorted(f for f in p.rglob("*.parquet") if f.is_file()
+            files.extend(sorted(f for f in p.rglob("*.parquet") if f.is_file() and not f.name.startswith(WALK_PREFIX)
                                 and not any(part.startswith(".") for part in f.relative_to(p).parts)))
         elif p.is_file():
             files.append(p)
@@ -208,6 +213,7 @@ def read_results_table(paths) -> ResultsRead:
     files = result_files(paths)
     table, damaged = _read_files(files)
     table = canonical_rows(table)      # legacy source hashes read as their kernel version
+    table = _fill_walk(table, walk_files(paths))
     table = reprice(table)             # metrics under today's device calibration
     return ResultsRead(table, files, damaged)
 
@@ -312,7 +318,7 @@ def compact(directory, *, max_bytes: int = COMPACT_MAX_BYTES) -> list[Path]:
     d = Path(directory)
     if not d.is_dir():
         raise FileNotFoundError(f"results directory {d} does not exist")
-    files = sorted(p for p in d.glob("*.parquet") if p.is_file() and not is_compact(p))
+    files = sorted(p for p in d.glob("*.parquet") if p.is_file() and not is_compact(p) and not p.name.startswith(WALK_PREFIX))
     if not files:
         return []
     table, damaged = _read_files(files)
@@ -336,6 +342,105 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def walk_files(paths) -> list[Path]:
+    """The walk parts under results ``paths`` (directories only)."""
+    out = []
+    for p in map(Path, paths):
+        if p.is_dir():
+            out.extend(sorted(f for f in p.rglob(f"{WALK_PREFIX}*.parquet") if f.is_file()
+                              and not any(part.startswith(".") for part in f.relative_to(p).parts)))
+    return out
+
+
+def _fill_walk(table, files):
+    """``table`` with empty walk columns filled from the walk parts ``files`` by config_id."""
+    if not files or table.num_rows == 0:
+        return table
+    known = {}
+    for f in files:
+        try:
+            for r in pq.read_table(f, schema=WALK_SCHEMA).to_pylist():
+                known[r["config_id"]] = r
+        except Exception as e:  # noqa: BLE001 - a damaged walk part is skipped, as a results file is
+            log.warning("skipping walk part %s: %s", f, " ".join(str(e).split())[:200])
+    ids = table["config_id"].to_pylist()
+    steps = table["walk_steps"].to_pylist()
+    if not any(s is None and i in known for i, s in zip(ids, steps)):
+        return table
+    for c in WALK_COLUMNS:
+        vals = table[c].to_pylist()
+        vals = [known[i][c] if v is None and s is None and i in known else v for i, v, s in zip(ids, vals, steps)]
+        table = table.set_column(table.column_names.index(c), c, pa.array(vals, SCHEMA.field(c).type))
+    return table
+
+
+def row_walk(r: dict):
+    """``device_model.Features`` of a results row (a dict of ``SCHEMA`` columns), counted from
+    its kernel's walk over its recorded workload; None where the row does not say enough (a
+    sliding window the row does not name)."""
+    import re
+
+    from kernel.workload import ModelShape, Workload
+
+    from .estimator import device_model
+    from .kernels import get_kernel, row_kernel
+    sw = None
+    if r.get("sliding_window"):
+        m = re.search(r"sliding window (\d+)", str(r.get("workload") or ""))
+        if not m:
+            return None
+        sw = int(m.group(1))
+    wj = json.loads(r["workload_json"])
+    w = Workload(wj["q_lens"], wj["kv_lens"], wj.get("distribution"))
+    model = ModelShape(int(r["num_q_heads"]), int(r["num_kv_heads"]), int(r["head_dim"]), r["q_dtype"], r["kv_dtype"])
+    return device_model.features(get_kernel(row_kernel(r.get("kernel"))), w, model, r["case"], row_block_sizes(r),
+                                 int(r["page_size"]), r["generation"], sw)
+
+
+def backfill_walk(directory, *, progress=None) -> Path | None:
+    """Count the walk features of every priced row under ``directory`` that has none (rows
+    recorded before they carried them) and write them as one new walk part (never
+    overwriting a file); returns it, or None when no row lacks them. Read back by
+    ``read_results_table``, they let ``reprice`` price those rows under today's calibration."""
+    from .estimator import device_model
+    d = Path(directory)
+    t = read_results_table([d]).table
+    cols = ["config_id", "status", "method", "metric", "walk_steps", "sliding_window", "workload", "workload_json",
+            "num_q_heads", "num_kv_heads", "head_dim", "q_dtype", "kv_dtype", "kernel", "case", "bq", "bkv", "cq",
+            "ckv", "page_size", "generation"]
+    todo, seen = [], set()
+    for r in t.select(cols).to_pylist():
+        if (r["status"] == "ok" and r["method"] in (device_model.ESTIMATE, device_model.MODELLED)
+                and r["walk_steps"] is None and r["config_id"] not in seen):
+            seen.add(r["config_id"])
+            todo.append(r)
+    memo, out = {}, {c: [] for c in WALK_SCHEMA.names}
+    for n, r in enumerate(todo):
+        k = tuple(r[c] for c in cols[5:])
+        if k not in memo:
+            memo[k] = row_walk(r)
+        f = memo[k]
+        if f is None:
+            continue
+        out["config_id"].append(r["config_id"])
+        for c in WALK_COLUMNS:
+            out[c].append(getattr(f, c[len("walk_"):]))
+        if progress and n % 2000 == 0:
+            progress(n, len(todo))
+    if not out["config_id"]:
+        return None
+    table = pa.Table.from_pydict(out, schema=WALK_SCHEMA)
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink, compression="zstd")
+    data = sink.getvalue().to_pybytes()
+    path = d / f"{WALK_PREFIX}{hashlib.sha256(data).hexdigest()[:16]}.parquet"
+    if not path.exists():
+        tmp = d / f".{path.name}.tmp"
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    return path
+
+
 def reprice(table):
     """A results ``pyarrow.Table`` whose rows priced by an older device calibration (or by
     none) carry today's: ``metric`` and ``calibration`` recomputed by
@@ -349,16 +454,18 @@ def reprice(table):
         return table
     from .estimator import device_model
     cols = ["generation", "metric", "method", "estimate_s", "static_s", "calibration", "key_id", "kernel",
-            "workload_id", *WALK_COLUMNS]
+            "workload_id", "head_dim", *WALK_COLUMNS]
     rows = table.select(cols).to_pylist()
     priced = (device_model.ESTIMATE, device_model.MODELLED)
     group = lambda r: (r["key_id"], r["kernel"], r["workload_id"])
     static_groups = {group(r) for r in rows
                      if r["metric"] is not None and r["method"] in priced and r["walk_steps"] is None}
     current = {}
-    metric, calib, changed = [], [], False
+    metric, calib, static, changed = [], [], [], False
     for r in rows:
         m, c = r["metric"], r["calibration"]
+        # the static time: recorded, or (rows from before it was) the metric they were ranked by
+        static.append(r["static_s"] if r["static_s"] is not None or c not in (None, "none") else m)
         if m is not None and r["method"] in priced and group(r) in static_groups:
             if r["static_s"] is not None and r["calibration"] not in (None, "none"):
                 m, changed = r["static_s"], True
@@ -370,12 +477,13 @@ def reprice(table):
             cal, version = current[g]
             if cal is not None and c != version:
                 feats = device_model.Features(r["walk_qblocks"], r["walk_steps"], r["walk_pages"],
-                                              r["walk_hbm_bytes"], r["walk_mxu_flops"])
-                static = r["estimate_s"] if r["method"] == device_model.ESTIMATE else None
-                m, c, changed = device_model.device_time(static, feats, g, cal.constants)["time_s"], version, True
+                                              r["walk_hbm_bytes"], r["walk_mxu_flops"], r["head_dim"] or 128)
+                est = r["estimate_s"] if r["method"] == device_model.ESTIMATE else None
+                m, c, changed = device_model.device_time(est, feats, g, cal.constants)["time_s"], version, True
         metric.append(m)
         calib.append(c if c is not None else "none")
     table = table.set_column(table.column_names.index("calibration"), "calibration", pa.array(calib, pa.string()))
+    table = table.set_column(table.column_names.index("static_s"), "static_s", pa.array(static, pa.float64()))
     if changed:
         table = table.set_column(table.column_names.index("metric"), "metric", pa.array(metric, pa.float64()))
     return table

@@ -162,7 +162,7 @@ def max_mxu_utilization(head_dim: int, cal) -> float:
 
 
 def time_model(cycles: float, workload: Workload, model: ModelShape, generation: str, case=None, *,
-               sliding_window: int | None, cal=None, walk: int | None = None, features=None) -> dict:
+               sliding_window: int | None, cal=None, walk: int | None = None) -> dict:
     """Time from cycles at the calibrated clock, the roofline bounds, which is active, MBU,
     MFU as the RPA paper defines it (against the bf16 peak times ``max_mxu_utilization``;
     ``mfu_of_peak``: against the plain peak), and the rate check. The FLOPs are the visible
@@ -172,7 +172,10 @@ def time_model(cycles: float, workload: Workload, model: ModelShape, generation:
     ``walk``: the cached K/V bytes the config's own walk fetches (``walk_bytes``; our
     kernel). The memory bound then counts them in place of the cached context read once:
     the paper's bytes are what any kernel must move, the walk's what this config does move,
-    and no estimate of it can beat them at the HBM peak. MBU stays against the paper's."""
+    and no estimate of it can beat them at the HBM peak. MBU stays against the paper's.
+
+    This is the static time (``static_s`` = ``time_s``, ``calibration`` "none");
+    ``device_model.time_model`` puts the device-cost model over it."""
     from kernel.hardware import tpu_info
     from .calibration import calibration
     cal = cal or calibration(generation)
@@ -188,16 +191,12 @@ def time_model(cycles: float, workload: Workload, model: ModelShape, generation:
     cmp_s = need.flops / achievable_mxu_flops(generation, model.head_dim, cal)
     static_s = max(est_s, mem_s, cmp_s)
     bound = "estimate" if static_s == est_s else ("memory" if static_s == mem_s else "compute")
-    time_s, calibration, device = static_s, "none", {}
-    if features is not None:    # the device's time (MBU / MFU against it)
-        from .device_model import price
-        device = price(est_s, features, generation)
-        time_s, calibration = device["time_s"], device["calibration"]
+    time_s = static_s
     mfu_of_peak = need.flops / time_s / info.bf16_ops_per_second if time_s else 0.0
     rate_ok = est_s * RATE_TOLERANCE >= max(mem_s, cmp_s)
     return dict(cycles=float(cycles), estimate_s=est_s, memory_bound_s=mem_s, compute_bound_s=cmp_s,
-                time_s=time_s, static_s=static_s, calibration=calibration, device_bound=device.get("device_bound"),
-                fixed_s=device.get("fixed_s"), active_bound=bound, hbm_bytes=need.hbm_bytes, flops=need.flops,
+                time_s=time_s, static_s=static_s, calibration="none", device_bound=None, fixed_s=None,
+                active_bound=bound, hbm_bytes=need.hbm_bytes, flops=need.flops,
                 mbu=need.hbm_bytes / time_s / info.mem_bw_bytes_per_second if time_s else 0.0,
                 mfu=mfu_of_peak / max_mxu_utilization(model.head_dim, cal), mfu_of_peak=mfu_of_peak,
                 clock_hz=cal.clock_hz, clock_source=cal.clock_source, rate_ok=rate_ok,

@@ -14,6 +14,9 @@ adds them back, and caps the static estimate by the rates the device reaches:
   ``estimate_s``): the price is then an ``estimate``. Where the profiler cannot price the
   program (it refuses it, or hides cached-KV work) there is no ``static`` and the price is
   ``modelled``: the rates and latencies alone.
+* The MXU rate is the peak a contraction of ``head_dim`` can fill (the RPA paper's MFU
+  definition, ``audit.max_mxu_utilization``: head_dim 128 fills half of a 256-wide MXU), so
+  ``mxu_efficiency`` carries over between generations of 128- and 256-wide MXUs.
 * ``hbm_bytes``: the bytes the config's walk moves (the paper's count plus any re-read of
   the cache, ``TunedKernel.walk``); ``mxu_flops``: the FLOPs the walk issues (every computed
   ``ckv`` chunk of every q block, masked parts included; decode: the visible pairs).
@@ -45,7 +48,8 @@ from kernel.config import BlockSizes, Case, round_up
 CONSTANTS = ("hbm_efficiency", "mxu_efficiency", "t_call_s", "t_qblock_s")
 MEANING = {
     "hbm_efficiency": "share of one core's HBM bandwidth a long KV walk reaches",
-    "mxu_efficiency": "share of one core's bf16 MXU peak a long causal walk's issued FLOPs reach",
+    "mxu_efficiency": "share of one core's bf16 MXU peak, at the share a head_dim-deep contraction fills, "
+                      "that a long causal walk's issued FLOPs reach",
     "t_call_s": "per kernel call: launch, prologue (first fetches), epilogue (last write-back)",
     "t_qblock_s": "per q block: pipeline fill and drain, metadata and semaphore work around it",
 }
@@ -65,6 +69,7 @@ class Features:
     pages: int
     hbm_bytes: float
     mxu_flops: float
+    head_dim: int = 128         # the contraction depth the MXU rate is taken at
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -89,11 +94,12 @@ def features(kernel, workload, model, case, bs: BlockSizes, page_size: int, gene
     if case == Case.DECODE:
         steps = pipeline_steps(bs, page_size, workload.kv_lens[lo:hi], sliding_window, plan.walk_new)
         return Features(sum(1 for s in steps if s[2]), len(steps), sum(s[0] for s in steps), float(hbm),
-                        float(need.flops))
+                        float(need.flops), model.head_dim)
     f = step_features(case, bs, page_size, workload.q_lens[lo:hi], workload.kv_lens[lo:hi], sliding_window,
                       plan.skip_dead_chunks)
     flops = 4.0 * f["chunk"] * bs.bq * bs.ckv * model.head_dim * model.num_q_heads
-    return Features(f["qblock"], f["step"], f["page_cached"] + f["page_new"], float(hbm), max(flops, need.flops))
+    return Features(f["qblock"], f["step"], f["page_cached"] + f["page_new"], float(hbm), max(flops, need.flops),
+                    model.head_dim)
 
 
 # --------------------------------------------------------------------------- calibration
@@ -177,16 +183,17 @@ def write(cal: DeviceCalibration, path: str | None = None) -> str:
 
 
 # --------------------------------------------------------------------------------- price
-def rates(generation: str) -> tuple[float, float]:
-    """(HBM bytes/s, bf16 FLOP/s) of one TensorCore."""
+def rates(generation: str, head_dim: int = 128) -> tuple[float, float]:
+    """(HBM bytes/s, bf16 FLOP/s a head_dim-deep contraction can reach) of one TensorCore."""
     from kernel.hardware import tpu_info
     info = tpu_info(generation)
-    return float(info.mem_bw_bytes_per_second), float(info.bf16_ops_per_second)
+    fill = min(1.0, head_dim / int(info.mxu_column_size))
+    return float(info.mem_bw_bytes_per_second), float(info.bf16_ops_per_second) * fill
 
 
 def device_time(static_s: float | None, feats: Features, generation: str, constants: dict) -> dict:
     """The modelled device time of one call on one core (module doc), with its terms."""
-    bw, peak = rates(generation)
+    bw, peak = rates(generation, feats.head_dim)
     c = constants
     hbm_s = feats.hbm_bytes / (c["hbm_efficiency"] * bw)
     mxu_s = feats.mxu_flops / (c["mxu_efficiency"] * peak)
@@ -208,6 +215,24 @@ def price(static_s: float | None, feats: Features, generation: str) -> dict:
         return dict(time_s=static_s, core_s=static_s, fixed_s=0.0, device_bound="static", label=ESTIMATE,
                     calibration="none")
     return dict(device_time(static_s, feats, generation, cal.constants), calibration=version)
+
+
+def time_model(cycles: float, workload, model, generation: str, case=None, *, sliding_window: int | None,
+               walk: int | None = None, features: Features | None = None) -> dict:
+    """``audit.time_model`` (the static time, its bounds, MBU / MFU, the rate check) with the
+    device-cost model over it when ``features`` are given: ``time_s`` is then ``price``'s,
+    ``static_s`` the static time, ``calibration`` the version, and MBU / MFU against the
+    device time."""
+    from . import audit
+    t = audit.time_model(cycles, workload, model, generation, case, sliding_window=sliding_window, walk=walk)
+    if features is None:
+        return t
+    d = price(t["estimate_s"], features, generation)
+    if d["time_s"] is None:
+        return t
+    scale = t["time_s"] / d["time_s"] if d["time_s"] else 0.0
+    return dict(t, time_s=d["time_s"], calibration=d["calibration"], device_bound=d["device_bound"],
+                fixed_s=d["fixed_s"], mbu=t["mbu"] * scale, mfu=t["mfu"] * scale, mfu_of_peak=t["mfu_of_peak"] * scale)
 
 
 # ----------------------------------------------------------------------------------- fit

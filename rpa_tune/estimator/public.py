@@ -126,7 +126,7 @@ from kernel.workload import ModelShape, ServingLimits, Workload
 
 PREFIX = "public_rpa"
 MAX_UNROLL = 8
-TPU_VERSION = {"v4": 4, "v5e": 5, "v5p": 5, "v6e": 6, "tpu7x": 7}
+from ..public_kernel import TPU_VERSION  # noqa: E402  (tpu-inference's version numbers)
 _KERNEL_OPTIONS = ("sm_scale", "sliding_window", "soft_cap", "q_scale", "k_scale", "v_scale",
                    "use_causal_mask", "mask_value")
 _PUBLIC_CASE = {Case.DECODE: "DECODE", Case.PREFILL: "PREFILL", Case.MIXED: "MIXED"}

@@ -144,8 +144,7 @@ def public_default_block_sizes(key: TuningKey, *, max_num_seqs: int = 128) -> Bl
     """What the public kernel runs for ``key`` without block sizes: its own
     ``get_default_block_sizes``, evaluated by the installed package with its TPU version
     set to the key's generation. None where it has no default (it raises, e.g. on v4)."""
-    from ..estimator.public import TPU_VERSION
-    from ..public_kernel import load_kernel_module
+    from ..public_kernel import TPU_VERSION, load_kernel_module
     mod = load_kernel_module()
     version = TPU_VERSION.get(get_generation(key.generation).name)
     case = {"decode": mod.RpaCase.DECODE, "prefill": mod.RpaCase.PREFILL, "mixed": mod.RpaCase.MIXED}[key.case]
