@@ -13,6 +13,17 @@ The rule, per case (all KV sizes rounded to multiples of ``page_size``):
   operand (128 rows where the MXU is 128 wide, v4/v5e/v5p; 256 on v6e/TPU7x),
   ``bkv = 512``, ``ckv = 256`` tokens (v4: ``bkv = 256``).
 * mixed: as prefill with ``bq = min(128, ...)``.
+* many query heads per KV head (MQA: one KV head serving 48, say): a q block holds
+  ``bq x group`` rows, so the token caps above make q blocks of thousands of rows and a
+  ``cq`` of two or four tokens (StarCoder's 48 heads on v5e: ``bq / cq = 64`` chunks per q
+  block). Where ``bq x group`` exceeds ``Q_BLOCK_ROWS`` (2048 rows for prefill, 1024 for
+  mixed, where the MXU is 128 wide; twice that on v6e/TPU7x), ``bq`` is cut to the power of
+  two within it, ``cq`` rounded *up* to the power of two whose rows cover one MXU operand,
+  and ``ckv = min(bkv, 512)``. Measured with the compile backend on the shipped results
+  (StarCoder on v5e, v5p, v6e, page 128, every bucket): within 1 % (prefill) and 4 %
+  (mixed) of the tuned best in geometric mean, where the rule without it was 4.4x and
+  9.2x slower (benchmarks/README.md, "The MQA baseline"). Shapes whose q blocks fit are
+  unchanged.
 
 Then, on every case, the tuple must fit: while the kernel's scratch model
 (``kernel.vmem.scratch_bytes``) (x1.25, +1 MiB for compiler temporaries) exceeds half of the chip's
@@ -25,6 +36,9 @@ from .hardware import tpu_info
 from .vmem import scratch_bytes
 
 DECODE_BLOCK_BYTES = {"v4": 1 << 20, "v5e": 2 << 20, "v5p": 2 << 20, "v6e": 4 << 20, "tpu7x": 4 << 20}
+# rows (bq x group) of a q block beyond which many query heads per KV head cut bq (module doc),
+# where the MXU is 128 wide; twice these where it is 256 wide
+Q_BLOCK_ROWS = {Case.PREFILL: 2048, Case.MIXED: 1024}
 
 
 def _pow2_floor(x: int) -> int:
@@ -106,6 +120,12 @@ def _initial(case: Case, *, generation, num_q_heads, num_kv_heads, page_size, kv
     bkv = _page_round(256 if generation == "v4" else 512, page_size)
     bkv = min(bkv, max_kv)
     ckv = min(bkv, _page_round(256, page_size))
+    rows = Q_BLOCK_ROWS[case] * mxu_rows // 128
+    if bq * group > rows:            # many query heads per KV head (module doc)
+        cq = _pow2_ceil(-(-mxu_rows // group))
+        bq = max(cq, min(bq, _pow2_floor(max(1, rows // group))))
+        cq = min(cq, bq)
+        ckv = min(bkv, _page_round(512, page_size))
     while bkv % ckv:
         ckv -= page_size
     return BlockSizes(bq, bkv, cq, ckv)
