@@ -84,6 +84,9 @@ def export_cmd(
     workload_id: List[str] = typer.Option([], "--workload-id", help="Only results of these workloads (id or "
                                           "prefix, repeatable; see the warning when a key has several)."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="One line per key with the decision."),
+    replace_measured: bool = typer.Option(False, "--replace-measured", help="sglang: write entries of ours "
+                                          "over SGLang-JAX's own device-measured ones (default: keep theirs, "
+                                          "with a note, where ours were not measured on a device)."),
     json_out: JsonFlag = False,
 ):
     """Bake the best `ok` row per key into versioned tables (promoted only if it beats the heuristic).
@@ -104,7 +107,7 @@ def export_cmd(
         writers = [n for n in kernel_names() if fmt in get_kernel(n).server_formats]
         if kernel is None and len(writers) == 1:
             kernel = writers[0]
-        if kernel not in writers:
+        if kernel is not None and kernel not in writers:
             fail(f"--format {fmt} writes block sizes for {' or '.join(writers)}, not --kernel {kernel} "
                  "(this project's kernel reads its tables and RPA_{D,P,M}_BLOCK_SIZES itself)")
         if check:
@@ -122,6 +125,13 @@ def export_cmd(
         fail(f"no result rows in {', '.join(map(str, results))}")
     if generation:
         df = df[df["generation"].isin(set(generation))]
+    if kernel is None:       # several kernels write this format: the one whose rows these are
+        from rpa_tune.kernels import row_kernel
+        present = [w for w in writers if w in {row_kernel(k) for k in df.get("kernel", [])}]
+        if len(present) != 1:
+            fail(f"--format {fmt}: pass --kernel ({' or '.join(writers)}); these results hold rows of "
+                 f"{', '.join(present) or 'neither'}")
+        kernel = present[0]
     tables, reports = build_tables(df, workload_ids=tuple(workload_id), kernel=kernel)
     if not tables:
         fail(f"no usable {kernel} result rows for {', '.join(generation) or 'any generation'}"
@@ -131,7 +141,7 @@ def export_cmd(
              + _other_kernels_hint(df, kernel),
              code=1)
     if fmt != "tables":
-        _export_server_format(fmt, tables, out)
+        _export_server_format(fmt, tables, out, replace_measured=replace_measured)
         return
     out = table_dir(out, kernel)
     try:
@@ -218,13 +228,18 @@ def _other_kernels_hint(df, kernel: str) -> str:
     return "".join(f" (these results hold {o} rows: export them with --kernel {o})" for o in others)
 
 
-def _export_server_format(fmt: str, tables, out: Optional[Path]) -> None:
-    """Write (or print) the vllm-env lines or the SGLang-JAX module of ``tables``."""
+def _export_server_format(fmt: str, tables, out: Optional[Path], *, replace_measured: bool = False) -> None:
+    """Write (or print) the vllm-env lines or the SGLang-JAX module of ``tables`` (the latter
+    beside the installed sglang-jax's own table: ``server_formats.sglang_module``)."""
     from . import server_formats
     if fmt == "vllm-env":
         text, notes = server_formats.vllm_env(tables), []
     else:
-        text, notes = server_formats.sglang_module(tables)
+        theirs, source = server_formats.installed_sglang_table()
+        text, notes = server_formats.sglang_module(tables, theirs=theirs, theirs_source=source,
+                                                   replace_measured=replace_measured)
+        if theirs is None:
+            notes = [f"not compared with SGLang-JAX's own table: {source}"] + notes
     if out is None:
         sys.stdout.write(text)
         sys.stdout.flush()

@@ -10,11 +10,17 @@
   (``sgl_jax/srt/kernels/ragged_paged_attention/tuned_block_sizes_v3.py``):
   ``TUNED_BLOCK_SIZES_V3[device_name][key] = (bq, bkv, cq, ckv)`` with ``key = (stage,
   sliding_window, q_dtype, kv_dtype, q_heads, kv_heads, head_dim, page_size,
-  max_num_tokens)``; ``stage`` is ``d``, ``p`` or ``m``; ``sliding_window`` None or the
-  window in tokens; heads, page size and token count as its lookup normalises them (next
-  power of two; ``head_dim`` rounded up to 128); ``device_name`` as its
+  max_num_tokens)``; ``stage`` is ``d``, ``p``, ``m`` or ``v`` (verify); ``sliding_window``
+  None or the window in tokens; heads, page size and token count as its lookup normalises
+  them (next power of two; ``head_dim`` rounded up to 128); ``device_name`` as its
   ``get_device_name`` spells the device (``TPU v6e``, ``TPU v5e``, ``TPU v7`` ...). The
   module also has ``lookup(...)`` with the same normalisation, so it can be checked alone.
+  SGLang-JAX keys each call by its own padded token count, so every power-of-two bucket
+  from 1 token up to a shape's largest tuned bucket gets an entry: the tuned bucket's own,
+  or, for a bucket no sweep priced, the nearest tuned bucket's (a comment says which).
+  Where the installed sglang-jax's table already holds a key (entries it measured on a
+  device), an entry of ours that was not measured is left out, with a note, and theirs
+  stays in force after the merge (``replace_measured`` writes ours over them).
 
 Only promoted entries are written (an entry that kept the kernel's default adds nothing a
 server does not already do); the others appear as comments saying why.
@@ -28,7 +34,7 @@ from kernel.tables import Entry, Table
 
 CASE_VARS = {"decode": "RPA_V3_DECODE_BLOCK_SIZES", "prefill": "RPA_V3_PREFILL_BLOCK_SIZES",
              "mixed": "RPA_V3_MIXED_BLOCK_SIZES"}
-STAGES = {"decode": "d", "prefill": "p", "mixed": "m"}
+STAGES = {"decode": "d", "prefill": "p", "mixed": "m", "verify": "v"}
 
 
 def _entries(tables: dict[str, Table]) -> list[Entry]:
@@ -85,13 +91,17 @@ def sglang_device_name(generation: str) -> str:
     return kind
 
 
+# SGLang-JAX reads its v3 table on these devices only (its wrapper: ``tpu_version in (6, 7)``)
+SGLANG_READS = ("TPU v6e", "TPU v7")
+
+
 def _pow2(n: int) -> int:
     return 1 << (int(n) - 1).bit_length()
 
 
-def sglang_key(key: TuningKey, window: int | None) -> tuple:
+def sglang_key(key: TuningKey, window: int | None, tokens: int | None = None) -> tuple:
     return (STAGES[key.case], window, key.q_dtype, key.kv_dtype, _pow2(key.num_q_heads), _pow2(key.num_kv_heads),
-            -(-key.head_dim // 128) * 128, _pow2(key.page_size), _pow2(key.max_num_tokens))
+            -(-key.head_dim // 128) * 128, _pow2(key.page_size), _pow2(tokens or key.max_num_tokens))
 
 
 def _on_bucket(key: TuningKey) -> bool:
@@ -107,7 +117,18 @@ def _window(e: Entry) -> int | None:
     return int(m.group(1)) if m else None
 
 
-_LOOKUP = '''
+def installed_sglang_table() -> tuple[dict | None, str | None]:
+    """(SGLang-JAX's own ``TUNED_BLOCK_SIZES_V3`` from the installed sglang-jax, its version),
+    or (None, why) when it cannot be read here."""
+    from .public_kernel import SGLANG_JAX, PublicKernelMissing
+    try:
+        mod = SGLANG_JAX.module("sgl_jax.srt.kernels.ragged_paged_attention.tuned_block_sizes_v3")
+    except PublicKernelMissing as e:
+        return None, str(e)
+    return mod.TUNED_BLOCK_SIZES_V3, f"sglang-jax=={SGLANG_JAX.installed_version()}"
+
+
+_LOOKUP = """
 
 def _pow2(n):
     return 1 << (int(n) - 1).bit_length()
@@ -121,21 +142,29 @@ def _dtype_name(d):
 
 
 def lookup(device_name, stage, sliding_window, q_dtype, kv_dtype, num_q_heads, num_kv_heads, head_dim,
-           page_size, max_num_tokens):
-    """(bq, bkv, cq, ckv) for a call, normalised as SGLang-JAX's v3 lookup does; None if absent."""
+           page_size, max_num_tokens, tokens_per_seq=None):
+    \"\"\"(bq, bkv, cq, ckv) for a call, normalised as SGLang-JAX's v3 lookup does (verify: bq and cq
+    capped at tokens_per_seq); None if absent.\"\"\"
     key = (stage, sliding_window, _dtype_name(q_dtype), _dtype_name(kv_dtype), _pow2(num_q_heads), _pow2(num_kv_heads),
            -(-int(head_dim) // 128) * 128, _pow2(page_size), _pow2(max_num_tokens))
-    return TUNED_BLOCK_SIZES_V3.get(device_name, {}).get(key)
-'''
+    hit = TUNED_BLOCK_SIZES_V3.get(device_name, {}).get(key)
+    if hit is not None and stage == "v" and tokens_per_seq is not None:
+        hit = (min(hit[0], tokens_per_seq), hit[1], min(hit[2], tokens_per_seq), hit[3])
+    return hit
+"""
 
 
-def sglang_module(tables: dict[str, Table]) -> tuple[str, list[str]]:
+def sglang_module(tables: dict[str, Table], *, theirs: dict | None = None, theirs_source: str | None = None,
+                  replace_measured: bool = False) -> tuple[str, list[str]]:
     """(module source, notes). Notes name what was left out: entries not promoted, a
-    sliding-window entry whose window is unknown, and several of our keys that fall on one
+    sliding-window entry whose window is unknown, several of our keys that fall on one
     SGLang-JAX key (other ``max_model_len``, or head counts / page / tokens its lookup rounds
-    up): the one whose own values are the bucket's is kept, else the first in key order)."""
-    per_dev: dict[str, dict[tuple, tuple]] = {}
-    notes, comments, exact = [], {}, {}
+    up: the one whose own values are the bucket's is kept, else the first in key order), and
+    entries of SGLang-JAX's own table (``theirs``: device -> key -> sizes, measured on its
+    devices) that an unmeasured entry of ours would replace (kept unless ``replace_measured``).
+    Every power-of-two token bucket up to a shape's largest tuned one is written (module doc)."""
+    tuned: dict[str, dict[tuple, tuple]] = {}
+    notes, comments, exact, methods = [], {}, {}, {}
     for e in sorted(_entries(tables), key=lambda e: e.key):
         window = _window(e) if e.key.sliding_window else None
         if not e.promoted:
@@ -146,7 +175,7 @@ def sglang_module(tables: dict[str, Table]) -> tuple[str, list[str]]:
             continue
         dev = sglang_device_name(e.key.generation)
         k = sglang_key(e.key, window)
-        if k in per_dev.setdefault(dev, {}):
+        if k in tuned.setdefault(dev, {}):
             if _on_bucket(e.key) and not _on_bucket(exact[(dev, k)]):
                 notes.append(f"{comments[(dev, k)]}: replaced on {dev} {k} by {e.key.id()}, whose own values are "
                              "the bucket's")
@@ -154,11 +183,49 @@ def sglang_module(tables: dict[str, Table]) -> tuple[str, list[str]]:
                 notes.append(f"{e.key.id()}: not written, {dev} {k} is already set by {comments[(dev, k)]}")
                 continue
         exact[(dev, k)] = e.key
-        per_dev[dev][k] = tuple(int(v) for v in e.block_sizes)
-        comments[(dev, k)] = e.key.id()
-    lines = ['"""' + _header(tables, "")[0].strip(), "", _header(tables, "")[1].strip(), "",
+        tuned[dev][k] = tuple(int(v) for v in e.block_sizes)
+        comments[(dev, k)] = f"{e.key.id()} ({e.method})"
+        methods[(dev, k)] = e.method
+    # every bucket a server calls with, up to each shape's largest tuned bucket
+    per_dev: dict[str, dict[tuple, tuple]] = {}
+    for dev, entries in tuned.items():
+        shapes: dict[tuple, list[int]] = {}
+        for k in entries:
+            shapes.setdefault(k[:-1], []).append(k[-1])
+        for shape, buckets in shapes.items():
+            buckets.sort()
+            for b in (1 << i for i in range(buckets[-1].bit_length())):
+                src = min(buckets, key=lambda t: (abs(t.bit_length() - b.bit_length()), -t))
+                k, from_k = (*shape, b), (*shape, src)
+                per_dev.setdefault(dev, {})[k] = entries[from_k]
+                if b != src:
+                    comments[(dev, k)] = f"{comments[(dev, from_k)]}, tuned at {src} tokens"
+                    methods[(dev, k)] = methods[(dev, from_k)]
+    # SGLang-JAX's own (device-measured) entries win over entries of ours not measured
+    if theirs is not None:
+        for dev in sorted(per_dev):
+            for k in sorted(per_dev[dev], key=repr):
+                their = (theirs.get(dev) or {}).get(k)
+                if their is None:
+                    continue
+                ours = per_dev[dev][k]
+                if methods[(dev, k)] == "measured" or replace_measured:
+                    if tuple(their) != ours:
+                        comments[(dev, k)] += f"; replaces {theirs_source or 'sglang-jax'}'s {tuple(their)}"
+                    continue
+                notes.append(f"{dev} {k}: kept {theirs_source or 'sglang-jax'}'s device-measured {tuple(their)} "
+                             f"over our {methods[(dev, k)]} {ours} (not written; --replace-measured writes ours)")
+                del per_dev[dev][k]
+    unread = sorted(d for d in per_dev if d not in SGLANG_READS and per_dev[d])
+    if unread:
+        notes.append(f"{', '.join(unread)}: SGLang-JAX reads its v3 table on {' and '.join(SGLANG_READS)} only "
+                     "(these entries are for callers that pass the block sizes themselves)")
+    versions = sorted({str(t.info.get("kernel_version")) for t in tables.values() if t.info.get("kernel_version")})
+    lines = ['"""' + f"Block sizes for RPA v3 ({', '.join(versions) or 'version unknown'}) in SGLang-JAX's layout, "
+             "written by `rpa-tune export`.", "", _header(tables, "")[1].strip(), "",
              "SGLang-JAX's v3 layout: TUNED_BLOCK_SIZES_V3[device_name][(stage, sliding_window, q_dtype, "
              "kv_dtype, q_heads, kv_heads, head_dim, page_size, max_num_tokens)] = (bq, bkv, cq, ckv).",
+             "Every power-of-two token bucket up to each shape's largest tuned one is written.",
              "Merge into sgl_jax's table: for dev, t in TUNED_BLOCK_SIZES_V3.items(): "
              "theirs.setdefault(dev, {}).update(t)", '"""', "", "TUNED_BLOCK_SIZES_V3 = {"]
     for dev in sorted(per_dev):
