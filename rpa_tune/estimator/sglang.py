@@ -46,7 +46,8 @@ import warnings
 from kernel.config import BlockSizes, Case, cdiv, get_generation, round_up
 from kernel.workload import ModelShape, ServingLimits, Workload
 
-from .public import (MAX_UNROLL, TPU_VERSION, _bounded_loop, _cdiv_fn, _Formula, _jnp_proxy,
+from ..public_kernel import TPU_VERSION
+from .public import (MAX_UNROLL, _bounded_loop, _cdiv_fn, _Formula, _jnp_proxy,
                      _metadata_formulas, _patched, _segments, _StaticAddresses)
 
 PREFIX = "sglang_rpa"

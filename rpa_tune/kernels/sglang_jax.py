@@ -41,7 +41,7 @@ def _package():
 
 def tpu_version(generation: str) -> int:
     """The TPU version SGLang-JAX's ``get_tpu_version`` reads for ``generation``."""
-    from ..estimator.public import TPU_VERSION
+    from ..public_kernel import TPU_VERSION
     return TPU_VERSION[get_generation(generation).name]
 
 
