@@ -17,9 +17,11 @@ Two parts, both on JAX device 0 of this machine's TPU:
 2. **Probes** (``probes``): a short set of keys timed for both kernels (ours ``rpa-tune`` and
    ``tpu-inference``) at their default block sizes by the tpu backend itself
    (``TpuEvaluator.evaluate``: the kernel's device call, its check against the reference,
-   one timing method, ``measured``), beside the deviceless ``estimate`` of the same task by
-   the compile backend (``CompileEvaluator`` in worker processes on the CPU, started before
-   the device work and running beside it; a probe with no estimate says why).
+   one timing method, ``measured``), beside the compile backend's deviceless price of the
+   same task (``CompileEvaluator`` in worker processes on the CPU, started before the device
+   work and running beside it): an ``estimate``, or ``modelled`` where libtpu's profiler
+   cannot price the programs (v4, TPU7x prefill / mixed: ``coverage.compile_method``); a
+   probe with neither says why.
 
 Per core / per chip: both kernels' grids are sequential (dimension semantics "arbitrary"),
 so a call runs on one TensorCore of device 0, and libtpu's profiler prices one TensorCore:
@@ -221,13 +223,6 @@ def probe_task(p: Probe, generation: str, bs: BlockSizes, backend: str, timeout:
                 workload=p.workload, bs=bs, timeout=timeout, kernel=p.kernel, heuristic=True)
 
 
-def estimate_unavailable(kern, key) -> str | None:
-    """Why no estimate of ``key`` for ``kern`` can be made or trusted here, or None."""
-    from . import coverage
-    why = coverage.NEEDS_A_DEVICE.get(get_generation(key.generation).name) or kern.refused_estimate(key)
-    return None if why is None else f"no estimate: {why}"
-
-
 class Estimates:
     """The compile backend's estimates of the probes, in worker processes on the CPU (they
     never touch the TPU), run on a thread beside the device work: ``start`` then
@@ -420,7 +415,7 @@ def run(*, quick: bool = False, estimate: bool = True, jobs: int = 2, log=None) 
         except Exception as e:  # noqa: BLE001 - the public kernel missing here
             bs, why_not = None, f"{type(e).__name__}: {e}"
         no_est = "not computed (--no-estimate)" if not estimate else (
-            why_not or ("no default block sizes for this key" if bs is None else estimate_unavailable(kern, key)))
+            why_not or ("no default block sizes for this key" if bs is None else None))
         plan.append((p, key, bs, why_not, no_est))
     est = Estimates({i: probe_task(p, gen, bs, "compile", timeout=1800.0)
                      for i, (p, key, bs, why_not, no_est) in enumerate(plan) if no_est is None}, jobs).start()
@@ -504,8 +499,8 @@ def markdown(rep: dict) -> str:
         lines += ["", "Failures:", ""] + [f"* {r['name']}: {'; '.join(r['problems'])}" for r in bad]
     lines += ["", "## Probes: device time (`measured`) beside the deviceless `estimate`", "",
               f"{rep['scope']}", "",
-              "| kernel | case | key | block sizes | measured µs | spread | samples | estimate µs | audit, "
-              "calibration | estimate / measured |",
+              "| kernel | case | key | block sizes | measured µs | spread | samples | deviceless µs | method, audit, "
+              "calibration | deviceless / measured |",
               "|---|---|---|---|---:|---:|---:|---:|---|---:|"]
     notes = []
     for p in rep["probes"]:
@@ -515,19 +510,24 @@ def markdown(rep: dict) -> str:
         est = _us(e.get("metric")) if e["status"] == "ok" else e["status"]
         ratio = "-" if p["estimate_over_measured"] is None else f"{p['estimate_over_measured']:.2f}"
         bs = "-" if p["block_sizes"] is None else str(tuple(p["block_sizes"]))
-        how = ", ".join(x for x in (e.get("audit"), e.get("calibration")) if x) or "-"
+        how = ", ".join(f"`{x}`" if i == 0 else x for i, x in enumerate(
+            (e.get("method"), e.get("audit"), e.get("calibration"))) if x) or "-"
         lines.append(f"| {p['kernel']} | {p['case']} | `{p['key']}` | {bs} | {meas} | {spread} | "
                      f"{m.get('samples') or '-'} | {est} | {how} | {ratio} |")
         if m["status"] != "ok":
             notes.append(f"* {p['kernel']} {p['case']}, measured: {m['status']}: {(m.get('message') or '')[-300:]}")
         if e["status"] != "ok":
-            notes.append(f"* {p['kernel']} {p['case']}, estimate: {e.get('reason') or e['status']}")
+            notes.append(f"* {p['kernel']} {p['case']}, deviceless: {e.get('reason') or e['status']}")
+        elif e.get("method") != "estimate":
+            notes.append(f"* {p['kernel']} {p['case']}, deviceless: {(e.get('message') or '')[-300:]}")
     if notes:
         lines += ["", "Notes:", ""] + notes
     lines += ["", "Labels: `measured` = device time by the tpu backend (median of the samples, spread = "
               "interquartile range / median); `estimate` = the compile backend's deviceless estimate (its "
               "audit verdict, an `incomplete` one never ranks, and the device-cost calibration it is priced "
-              "with; `static_s` in the JSON: the static estimate alone). Full rows: `selftest.json`.", ""]
+              "with; `static_s` in the JSON: the static estimate alone); `modelled` = the compile backend's "
+              "price where no static estimate is possible (the device-cost model of the config's walk alone; "
+              "the note says why). Full rows: `selftest.json`.", ""]
     return "\n".join(lines)
 
 

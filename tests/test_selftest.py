@@ -90,7 +90,7 @@ def test_quick_selftest_on_the_stand_in_device_passes_and_reports(tmp_path):
     assert md.count("| **PASS** |") == 2 and "bit-exact" in md
     assert "`measured`" in md and "`estimate`" in md and "per core" in md and "TPU v6 lite" in md
     for p in rep["probes"]:
-        assert f"| {p['kernel']} | decode | `{p['key']}` |" in md and "| 1.25 |" in md
+        assert f"| {p['kernel']} | decode | `{p['key']}` |" in md and "| `estimate`, complete | 1.25 |" in md
 
 
 def test_a_wrong_compiled_path_is_a_fail_row_and_exit_1(tmp_path):
@@ -141,16 +141,32 @@ def test_the_full_matrix_covers_every_path_and_its_sizes_are_legal():
     assert len({c.name for c in selftest.CHECKS}) == len(selftest.CHECKS)
 
 
-def test_an_estimate_that_cannot_be_made_says_why():
-    from kernel.config import TuningKey
-    from rpa_tune.kernels import get_kernel
-    ours, public = get_kernel("rpa-tune"), get_kernel("tpu-inference")
-
-    def key(gen, case):
-        return TuningKey(gen, case, "bfloat16", "bfloat16", 8, 1, 128, 128, 2048, 8192, False)
-    for k in (ours, public):
-        assert "Dma latency model" in selftest.estimate_unavailable(k, key("v4", "decode"))
-        assert selftest.estimate_unavailable(k, key("v6e", "prefill")) is None
-    assert "fixed latency" in selftest.estimate_unavailable(ours, key("tpu7x", "prefill"))
-    assert selftest.estimate_unavailable(ours, key("tpu7x", "decode")) is None
-    assert selftest.estimate_unavailable(public, key("tpu7x", "mixed")) is None
+def test_the_report_labels_each_deviceless_price_by_its_method():
+    """A probe's deviceless column names the compile backend's method (``estimate``, or
+    ``modelled`` where no static estimate is possible, with the reason as a note) and a
+    missing one says why; the ratio is deviceless / measured."""
+    def probe(kernel, e, measured=1e-4):
+        ratio = e["metric"] / measured if e.get("status") == "ok" else None
+        return dict(kernel=kernel, case="prefill", shape="s", key="tpu7x/prefill/k", workload={},
+                    block_sizes=[16, 512, 16, 256], estimate=e, estimate_over_measured=ratio,
+                    measured=dict(status="ok", method="measured", metric=measured, spread=0.01, samples=50))
+    rep = dict(verdict="PASS", quick=False, elapsed_s=1.0, created="now", timing_method="trace", scope="per core: x",
+               device=dict(device_kind="TPU7x", generation="tpu7x", devices=1, tensorcores_per_chip=2, device_0={},
+                           stand_in=None),
+               versions={k: "v" for k in ("jax_version", "jaxlib_version", "libtpu_version", "tpu_inference",
+                                          "rpa_tune_version", "kernel_id", "git_sha", "python")},
+               checks=[], probes=[
+                   probe("tpu-inference", dict(status="ok", method="estimate", metric=1.5e-4, audit="complete",
+                                               calibration="tpu7x-paper-1")),
+                   probe("rpa-tune", dict(status="ok", method="modelled", metric=0.5e-4, calibration="tpu7x-paper-1",
+                                          message="modelled: no estimate (the profiler hides the KV work)")),
+                   probe("rpa-tune", dict(status="unavailable", reason="not computed (--no-estimate)"))])
+    md = selftest.markdown(rep)
+    rows = [line for line in md.splitlines() if line.startswith("| tpu-inference |") or line.startswith("| rpa-tune |")]
+    assert len(rows) == 3
+    assert "| 150.0 | `estimate`, complete, tpu7x-paper-1 | 1.50 |" in rows[0]
+    assert "| 50.0 | `modelled`, tpu7x-paper-1 | 0.50 |" in rows[1]
+    assert "| unavailable | - | - |" in rows[2]
+    assert "* rpa-tune prefill, deviceless: modelled: no estimate (the profiler hides the KV work)" in md
+    assert "* rpa-tune prefill, deviceless: not computed (--no-estimate)" in md
+    assert "`modelled` = " in md and "TensorCores per chip | 2" in md
