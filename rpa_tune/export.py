@@ -12,8 +12,12 @@ files, whatever the order of rows or files):
    infrastructure failures and disqualify nothing.
 3. ``ok`` rows with a positive metric form *comparison groups* (method, kernel_hash,
    workload_id): numbers are only compared within one group. The group used is the
-   ``measured`` one if any (a device measurement beats a compiler estimate), then the one
-   with the most recent row, then the one with more configurations.
+   ``measured`` one if any (a device measurement beats a compiler estimate), then one of
+   the method the compile backend prices the key with today (``coverage.compile_method``:
+   ``modelled`` where no estimate is possible, else ``estimate``), then the one with the
+   most recent row, then the one with more configurations. A key's entry is thus ranked
+   by one method, and an entry's ``method`` is its group's: a ``modelled`` price is never
+   compared with an estimate, nor written as one.
 4. Within the group, repeated rows of one configuration are merged: metric = median,
    samples = sum, spread = max(row spreads, (max - min of the row metrics) / median). A
    spread is relative everywhere (a fraction of the metric: the TPU evaluator's IQR /
@@ -34,6 +38,9 @@ files, whatever the order of rows or files):
    * ``measured``: margin = max(``MEASURED_MIN_GAIN`` = 1 %, 2 x the larger (relative)
      spread of the best and the heuristic configuration): a gain that
      does not clear twice the run-to-run spread is not distinguishable from noise.
+   * ``modelled``: margin ``MODELLED_MIN_GAIN``: deterministic too, but the device-cost
+     model without the static estimate misses what only the profiler's cycles see
+     (benchmarks/README.md, "Modelled prices against estimates").
 
    No heuristic row in the group: not promoted (``heuristic_metric = null``, the decision
    says so). Heuristic configuration disqualified (e.g. ``vmem_oom``): the best is
@@ -66,9 +73,11 @@ from kernel.tables import Entry, Table, TableError, PROVENANCE_FIELDS, SCHEMA_VE
 from .kernels import DEFAULT, get_kernel
 
 ESTIMATE_MIN_GAIN = 0.02
+MODELLED_MIN_GAIN = 0.05
 MEASURED_MIN_GAIN = 0.01
 MEASURED_SPREAD_FACTOR = 2.0
 DISQUALIFYING = ("wrong_result", "vmem_oom", "compile_error")
+PRICED_METHODS = ("estimate", "measured", "modelled")     # rows whose metric a table ranks
 KEY_COLUMNS = tuple(f.name for f in dataclasses.fields(TuningKey))
 REQUIRED_COLUMNS = KEY_COLUMNS + ("bq", "bkv", "cq", "ckv", "status", "metric", "method")
 OPTIONAL_COLUMNS = ("unit", "samples", "spread", "cycles", "compile_s", "backend", "search", "seed",
@@ -230,6 +239,8 @@ def _recent_first(rows: list[dict]) -> list[dict]:
 def _margin(method: str, best: ConfigStats, heur: ConfigStats | None) -> float:
     if method == "estimate":
         return ESTIMATE_MIN_GAIN
+    if method == "modelled":
+        return MODELLED_MIN_GAIN
     rel = [s.spread for s in (best, heur) if s is not None]     # already relative
     return max(MEASURED_MIN_GAIN, MEASURED_SPREAD_FACTOR * max(rel + [0.0]))
 
@@ -237,7 +248,7 @@ def _margin(method: str, best: ConfigStats, heur: ConfigStats | None) -> float:
 def select_key(key: TuningKey, rows: list[dict], kernel: str = DEFAULT) -> KeyReport:
     """The table entry for one key from its result rows (see the module docstring)."""
     kern = get_kernel(kernel)
-    ok = [r for r in rows if _str(r.get("status")) == "ok" and _str(r.get("method")) in ("estimate", "measured")
+    ok = [r for r in rows if _str(r.get("status")) == "ok" and _str(r.get("method")) in PRICED_METHODS
           and _clean(r.get("metric")) is not None and math.isfinite(float(r["metric"]))
           and float(r["metric"]) > 0]
     from .store import newest_evaluator
@@ -249,11 +260,14 @@ def select_key(key: TuningKey, rows: list[dict], kernel: str = DEFAULT) -> KeyRe
         groups.setdefault((_str(r["method"]), _str(r.get("kernel_hash")) or "",
                            _str(r.get("workload_id")) or ""), []).append(r)
 
+    from .coverage import compile_method
+    today = compile_method(key.generation, key.case)     # the compile backend's method for the key
+
     def group_rank(item):
         (method, khash, wid), rs = item
         latest = max((r.get("timestamp") or "") for r in rs)
         nconf = len({_row_bs(r) for r in rs})
-        return (method == "measured", latest, nconf, khash, wid)
+        return (method == "measured", method == today, latest, nconf, khash, wid)
 
     (method, khash, wid), grows = max(groups.items(), key=group_rank)
     others = {w: _str(rs[0].get("workload")) or "" for (m, kh, w), rs in sorted(groups.items())

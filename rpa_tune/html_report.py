@@ -449,7 +449,10 @@ def _e(v) -> str:
 
 
 def method_label(backend: str, method: str, audited: bool = True) -> str:
-    """What a group's numbers are: the compile backend's are estimates, not device times."""
+    """What a group's numbers are: the compile backend's are estimates (or modelled where no
+    estimate is possible), not device times."""
+    if method == "modelled":
+        return "modelled by the device-cost model from the walk's features, no static estimate; not a device time"
     if method == "estimate" or backend == "compile":
         if not audited:
             return ("static compiler estimate, not a device time; no audit verdict recorded (rows of an "

@@ -301,7 +301,12 @@ def print_summary(o: Outcome, store, top: int = 10) -> None:
     else:
         d = df
     who = f"{spec.kernel}: "
-    t = Table(title=f"{who}{spec.key.generation} {spec.key.case} — {spec.backend} ({'estimate' if spec.backend == 'compile' else 'measured' if spec.backend == 'tpu' else 'correctness'})")
+    if spec.backend == "compile":
+        from .coverage import compile_method
+        how = compile_method(spec.key.generation, spec.key.case)     # estimate, or modelled
+    else:
+        how = "measured" if spec.backend == "tpu" else "correctness"
+    t = Table(title=f"{who}{spec.key.generation} {spec.key.case} — {spec.backend} ({how})")
     for c in ("rank", "(bq, bkv, cq, ckv)", "status", "time", "bound", "cycles", "VMEM limit", "compile", "note"):
         t.add_column(c, justify="right" if c in ("time", "cycles", "compile", "rank") else "left")
     ok = d[d["status"] == "ok"].sort_values("metric", na_position="last") if len(d) else d
@@ -371,7 +376,8 @@ def print_winners(groups, top: int = 1) -> None:
     for g in groups:
         b = g.best
         gain = f"x{g.gain:.2f}" if g.gain else "-"
-        be = g.backend + (" (stale kernel)" if g.stale else "")
+        be = g.backend + (f" ({b['method']})" if b and b.get("method") == "modelled" else "") + (
+            " (stale kernel)" if g.stale else "")
         t.add_row(g.kernel, g.key["generation"], g.key["case"], shape_label(g.key), str(g.key["page_size"]),
                   str(g.key["max_num_tokens"]), str(g.key["max_model_len"]), escape(g.workload[:48]), be,
                   fmt_bs(b) if b else "[red]none ok[/]", fmt_time(b["metric"]) if b else "-",

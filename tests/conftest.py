@@ -17,7 +17,7 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 #   bench     the benchmark scripts' tooling (their parsing and merging, not their figures)
 TIERS = {
     "unit": ("test_cli_bad_input", "test_device_model", "test_device_path", "test_coverage_plan", "test_distributed", "test_docs", "test_imports",
-             "test_kernel_metrics", "test_kernel_validation", "test_report_html", "test_tables_export",
+             "test_kernel_metrics", "test_kernel_validation", "test_modelled_export", "test_report_html", "test_tables_export",
              "test_tables_lookup", "test_tune_cli", "test_tune_engine", "test_tune_search", "test_tune_space",
              "test_tune_store", "test_tune_workloads"),
     "compile": ("test_estimator", "test_estimator_calibration", "test_estimator_public", "test_fingerprint",

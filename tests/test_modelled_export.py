@@ -1,0 +1,91 @@
+"""Modelled prices (issue 101 item 5) through export, show and the sweep's version: a key is
+ranked by one method, a modelled entry is written as modelled, never as an estimate."""
+import pandas as pd
+import pytest
+
+from kernel.tables import Table
+from rpa_tune import coverage
+from rpa_tune import export as ex
+from tables_synth import key, row, write_results
+
+
+def _rows(k, method, metrics, **kw):
+    """The heuristic and two other configs of ``k`` priced ``method``: ``metrics`` in that order."""
+    h = tuple(ex.heuristic_for(k))
+    cands = ([(1, 2048, 1, 512), (2, 512, 2, 512), (1, 4096, 1, 1024), (1, 256, 1, 256)] if k.case == "decode" else
+             [(128, 1024, 64, 512), (64, 512, 64, 256), (32, 256, 32, 128), (256, 2048, 128, 512)])
+    others = [c for c in cands if c != h]
+    kw.setdefault("backend", "compile")
+    return [row(k, bs, m, method=method, **kw) for bs, m in zip([h] + others, metrics)]
+
+
+def _entries(rows):
+    tables, reports = ex.build_tables(ex.normalize_results(pd.DataFrame(rows)))
+    return {r.key: r.entry for r in reports if r.key is not None}
+
+
+@pytest.mark.parametrize("gain, promoted", [(0.04, False), (ex.MODELLED_MIN_GAIN, False), (0.06, True)])
+def test_a_modelled_entry_is_written_modelled_and_promoted_past_its_margin(gain, promoted):
+    k = key("tpu7x", "prefill", t=512)
+    base = 2e-4
+    (e,) = _entries(_rows(k, "modelled", [base, base / (1 + gain), base * 1.5])).values()
+    assert e.method == "modelled" and e.margin == ex.MODELLED_MIN_GAIN
+    assert e.promoted is promoted, e.decision
+    assert e.gain == pytest.approx(gain, rel=1e-5)
+    assert "estimate" not in e.decision            # (the refusal of TPU7x prefill estimates is not its)
+
+
+def test_a_key_is_ranked_by_one_method_the_compile_backends_of_today():
+    """Modelled and estimate rows of one key are never compared: TPU7x prefill (no estimate
+    possible) takes its modelled rows although the estimates are more recent and cheaper;
+    v6e decode takes its estimates over modelled rows."""
+    rows, want = [], {}
+    for k, today in ((key("tpu7x", "prefill", t=512), "modelled"), (key("v6e", "decode", t=512), "estimate")):
+        assert coverage.compile_method(k.generation, k.case) == today
+        est = _rows(k, "estimate", [1e-4, 0.5e-4, 0.9e-4], kernel_hash="k0", timestamp="2026-01-02T00:00:00Z")
+        mod = _rows(k, "modelled", [3e-4, 2e-4, 2.5e-4], kernel_hash="k1", timestamp="2026-01-01T00:00:00Z")
+        rows += est + mod
+        want[k] = (today, est if today == "estimate" else mod)
+    got = _entries(rows)
+    for k, (method, rs) in want.items():
+        e = got[k]
+        best = min(rs, key=lambda r: r["metric"])
+        assert e.method == method and e.metric == best["metric"], (k.id(), e)
+        assert (e.heuristic_metric, e.provenance["kernel_hash"]) == (rs[0]["metric"], rs[0]["kernel_hash"])
+
+
+def test_export_writes_modelled_entries_to_the_files(tmp_path):
+    from typer.testing import CliRunner
+
+    from rpa_tune.cli import app
+    k = key("v4", "decode", t=128)
+    write_results(tmp_path / "res", _rows(k, "modelled", [2e-4, 1e-4, 3e-4]))
+    r = CliRunner().invoke(app, ["export", "--results", str(tmp_path / "res"), "--out", str(tmp_path / "out")])
+    assert r.exit_code == 0, r.output
+    for f in ("v4.json", "v4.parquet"):
+        (e,) = Table.read(tmp_path / "out" / f).entries
+        assert e.method == "modelled" and e.promoted and e.metric == pytest.approx(1e-4)
+    assert '"method": "modelled"' in (tmp_path / "out" / "v4.json").read_text()
+
+
+def test_show_and_the_sweep_summary_say_modelled(tmp_path):
+    """``rpa-tune show`` labels a modelled winner's backend; the evaluator version of a
+    modelled key differs from the estimate's of the same case (no shared resume id)."""
+    from typer.testing import CliRunner
+
+    from rpa_tune.cli import app
+    from rpa_tune.evaluators import evaluator_version
+    from rpa_tune.store import COLUMNS
+    k = key("v4", "decode", t=128)
+    rows = _rows(k, "modelled", [2e-4, 1e-4, 3e-4], workload="decode: synthetic", evaluator_version="x")
+    df = pd.DataFrame([{c: r.get(c) for c in COLUMNS} for r in rows])
+    df["timestamp"] = pd.to_datetime(df["timestamp"])
+    df["is_heuristic"] = [True, False, False]
+    write_results(tmp_path / "res", df.to_dict("records"))
+    r = CliRunner().invoke(app, ["show", "--results", str(tmp_path / "res")], env={"COLUMNS": "400"})
+    assert r.exit_code == 0, r.output
+    assert "compile (modelled)" in r.output, r.output
+    assert evaluator_version("compile", "decode", "v4").endswith("+modelled1")
+    assert evaluator_version("compile", "prefill", "tpu7x") == evaluator_version("compile", "prefill", "v5p").replace(
+        "+v5p1", "+tpu7x1") + "+modelled1"
+    assert "modelled" not in evaluator_version("compile", "decode", "tpu7x")
