@@ -29,7 +29,7 @@ def bad_workload(tmp_path_factory):
 @pytest.mark.parametrize("args,needles", [
     (["--tpu", "v9"], ["unknown TPU 'v9'", "v4, v5e, v5p, v6e, tpu7x"]),
     (["--tpu", "v6e", "--model", "llama4-fake"], ["unknown model preset 'llama4-fake'", "llama3-8b", "gemma2-9b"]),
-    (["--tpu", "v6e", "--case", "training"], ["'training' is not one of 'decode', 'prefill', 'mixed', 'all'"]),
+    (["--tpu", "v6e", "--case", "training"], ["'training' is not one of 'decode', 'prefill', 'mixed', 'verify', 'all'"]),
     (["--tpu", "v6e", "--backend", "gpu"], ["'gpu' is not one of 'auto', 'tpu', 'compile', 'interpret'"]),
     (["--tpu", "v6e", "--q-heads", "30", "--kv-heads", "8", "--head-dim", "128"],
      ["--q-heads 30 is not a multiple of --kv-heads 8"]),
