@@ -3,7 +3,8 @@
 Public API::
 
     out, new_kv_cache = kernel.ragged_paged_attention(queries, keys, values, kv_cache,
-        kv_lens, page_indices, cu_q_lens, distribution, *, sm_scale=1.0, ...)
+        kv_lens, page_indices, cu_q_lens, distribution, *, sm_scale=1.0, ...)   # as RPA v3
+    out, new_kv_cache = kernel.ragged_paged_attention_hd64(...)   # as tpu-inference's head_dim-64 kernel
     report = kernel.precompile(model_shape, serving_limits, tpu=None)  # before serving
 
 Block sizes resolve per case: explicit argument -> RPA_{D,P,M}_BLOCK_SIZES -> tuned tables
@@ -18,11 +19,12 @@ from __future__ import annotations
 import importlib
 
 from .config import (BlockSizes, CASES, Case, GENERATIONS, TpuGeneration, TuningKey, block_size_errors,
-                     get_generation, get_kv_cache_shape, kv_packing)
+                     get_generation, get_kv_cache_shape, get_kv_cache_shape_hd64, kv_packing)
 
 # attribute -> module that defines it (imported on first access)
 _LAZY = {
     "ragged_paged_attention": ".api",
+    "ragged_paged_attention_hd64": ".api",
     "validate_inputs": ".validate",
     "precompile": ".bringup",
     "reference": None,          # the submodule itself
@@ -30,7 +32,8 @@ _LAZY = {
 
 __all__ = [
     "BlockSizes", "CASES", "Case", "GENERATIONS", "TpuGeneration", "TuningKey", "block_size_errors",
-    "get_generation", "get_kv_cache_shape", "kv_packing", "ragged_paged_attention",
+    "get_generation", "get_kv_cache_shape", "get_kv_cache_shape_hd64", "kv_packing", "ragged_paged_attention",
+    "ragged_paged_attention_hd64",
     "validate_inputs", "reference", "precompile",
 ]
 

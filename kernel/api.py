@@ -22,15 +22,21 @@ from .vmem import default_vmem_limit, scratch_bytes
 log = logging.getLogger("kernel")
 
 FP8_MAX = 448.0  # float8_e4m3fn
+E5M2_MAX = 57344.0  # float8_e5m2
 
 
 def quantize(x, dtype, scale=None):
-    """Per-tensor quantization used for new K/V (and Q when ``q_scale`` is set)."""
+    """``x / scale`` (no scale: ``x``) cast to ``dtype``, saturating at an fp8 format's
+    largest finite value: Q when ``q_scale`` is set (as v3 does), and new K/V given in a
+    wider dtype than the cache's (unscaled: K/V arrive quantized, the scales only
+    dequantize)."""
     x = x.astype(jnp.float32)
     if scale is not None:
         x = x / scale
     if np.dtype(dtype) == np.dtype(jnp.float8_e4m3fn):
         x = jnp.clip(x, -FP8_MAX, FP8_MAX)
+    elif np.dtype(dtype) == np.dtype(jnp.float8_e5m2):
+        x = jnp.clip(x, -E5M2_MAX, E5M2_MAX)
     return x.astype(dtype)
 
 
@@ -114,45 +120,140 @@ def kv_bytes_per_token(dims: dict) -> int:
 
 def ragged_paged_attention(
     queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, distribution, *,
+    use_causal_mask: bool = True, update_kv_cache: bool = True, skip_kv_mask: bool = False,
     sm_scale: float = 1.0, sliding_window: int | None = None, soft_cap: float | None = None,
+    out_dtype=None, mask_value: float | None = None,
     q_scale: float | None = None, k_scale: float | None = None, v_scale: float | None = None,
     chunk_prefill_size: int | None = None, d_block_sizes=None, p_block_sizes=None,
-    m_block_sizes=None, vmem_limit_bytes: int | None = None, interpret=False,
+    m_block_sizes=None, vmem_limit_bytes: int | None = None, debug_mode: bool = False,
+    disable_bounds_checks: bool = True, disable_semaphore_checks: bool = True,
+    attention_sink=None, interpret=False,
 ):
     """Ragged paged attention over a mixed batch, fused with the KV-cache update.
 
+    Called as tpu-inference's RPA v3 (same positional arguments, same keyword names and
+    semantics; the argument-by-argument table is in docs/kernel.md).
+
     Args:
-      queries: ``[max_num_tokens, num_q_heads, head_dim]``.
-      keys, values: ``[max_num_tokens, num_kv_heads, head_dim]``, K/V of the new tokens.
-      kv_cache: ``get_kv_cache_shape(num_pages, page_size, num_kv_heads, head_dim, dtype)``.
+      queries: ``[max_num_tokens, num_q_heads, head_dim]`` (any head_dim: padded to 128 lanes).
+      keys, values: ``[max_num_tokens, num_kv_heads, head_dim]``, K/V of the new tokens, in
+        the cache's dtype (already quantized) or a wider float dtype (cast, saturating).
+      kv_cache: ``get_kv_cache_shape(num_pages, page_size, num_kv_heads, head_dim, dtype)``
+        (bfloat16, float32, float8_e4m3fn or float8_e5m2).
       kv_lens: ``int32[max_num_seqs]``, KV length of each sequence (new tokens included).
       page_indices: ``int32[max_num_seqs * pages_per_seq]``, flattened page table.
       cu_q_lens: ``int32[max_num_seqs + 1]``.
       distribution: ``int32[3]`` ``(i, j, k)``: ``[0,i)`` decode, ``[i,j)`` prefill, ``[j,k)`` mixed.
+      use_causal_mask: False: every query token sees all ``kv_len`` keys of its sequence.
+      update_kv_cache: False: K/V of every position are read from the cache, which is left
+        unchanged (``keys`` / ``values`` are not read).
+      q_scale / k_scale / v_scale: per-tensor scales. K and V are stored as given; the
+        scales dequantize them (scores times ``k_scale``, output times ``v_scale``).
+        ``q_scale``: Q is quantized to the cache dtype as ``q / q_scale`` (saturating), its
+        scores multiplied back.
+      attention_sink: ``float32[num_q_heads]`` or None: a logit per query head added to the
+        softmax denominator (a key with no value).
       d/p/m_block_sizes: ``BlockSizes`` (or 4-tuples) per case; ``None`` resolves through
         ``RPA_{D,P,M}_BLOCK_SIZES``, then the tuned tables (``kernel.tables``: exact key,
         then the bucketing rule), then the heuristic (``kernel.heuristics``).
+      skip_kv_mask, out_dtype, mask_value, disable_*_checks: v3's; accepted and checked as v3
+        does, with no effect on the result (see docs/kernel.md). ``debug_mode=True`` is refused.
       interpret: run in the Pallas TPU interpreter (``True`` or a ``pltpu.InterpretParams``).
 
     Returns:
       ``(out [max_num_tokens, num_q_heads, head_dim], updated kv_cache)``. Rows of padding
       tokens (beyond ``cu_q_lens[k]``) are unspecified.
     """
-    explicit = {Case.DECODE: d_block_sizes, Case.PREFILL: p_block_sizes, Case.MIXED: m_block_sizes}
+    return _call(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, distribution,
+                 layout="merged", use_causal_mask=use_causal_mask, update_kv_cache=update_kv_cache,
+                 skip_kv_mask=skip_kv_mask, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+                 out_dtype=out_dtype, mask_value=mask_value, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale,
+                 chunk_prefill_size=chunk_prefill_size, explicit={Case.DECODE: d_block_sizes,
+                                                                  Case.PREFILL: p_block_sizes,
+                                                                  Case.MIXED: m_block_sizes},
+                 vmem_limit_bytes=vmem_limit_bytes, debug_mode=debug_mode, attention_sink=attention_sink,
+                 interpret=interpret)
+
+
+def ragged_paged_attention_hd64(
+    queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, distribution, attention_sink=None, *,
+    sm_scale: float = 1.0, sliding_window: int | None = None, soft_cap: float | None = None,
+    mask_value: float | None = None, q_scale: float | None = None, k_scale: float | None = None,
+    v_scale: float | None = None, chunk_prefill_size: int | None = None,
+    num_kv_pages_per_block: int | None = None, num_queries_per_block: int | None = None,
+    vmem_limit_bytes: int | None = None, debug_mode: bool = False, interpret=False,
+):
+    """Ragged paged attention for head_dim 64 on tpu-inference's head_dim-64 cache layout,
+    called as its ``ragged_paged_attention_hd64``.
+
+    The cache is ``get_kv_cache_shape_hd64(num_pages, page_size, num_kv_heads, dtype)``:
+    ``[num_pages, page_size, ceil(num_kv_heads / kv_packing), kv_packing, 128]``, head h at
+    entry h with K in lanes 0-63 and V in lanes 64-127 (half the bytes per token of the
+    merged layout at head_dim 64). Same semantics as ``ragged_paged_attention`` (always
+    causal, the cache always updated); ``num_queries_per_block`` and
+    ``num_kv_pages_per_block`` set prefill's and mixed's ``bq`` and ``bkv`` (in pages;
+    their compute chunks divide them), decode keeps the heuristic's.
+    """
+    explicit = {Case.DECODE: None, Case.PREFILL: None, Case.MIXED: None}
+    for name, v in (("num_kv_pages_per_block", num_kv_pages_per_block),
+                    ("num_queries_per_block", num_queries_per_block)):
+        if v is not None and (not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v <= 0):
+            raise ValueError(f"{name}={v!r} must be positive (a positive int, or None for the heuristic's)")
+    return _call(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, distribution,
+                 layout="hd64", use_causal_mask=True, update_kv_cache=True, skip_kv_mask=False, sm_scale=sm_scale,
+                 sliding_window=sliding_window, soft_cap=soft_cap, out_dtype=None, mask_value=mask_value,
+                 q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, chunk_prefill_size=chunk_prefill_size,
+                 explicit=explicit, vmem_limit_bytes=vmem_limit_bytes, debug_mode=debug_mode,
+                 attention_sink=attention_sink, interpret=interpret,
+                 hd64_blocks=(num_queries_per_block, num_kv_pages_per_block))
+
+
+def _hd64_block_sizes(heuristic: BlockSizes, page_size: int, bq, kv_pages) -> BlockSizes:
+    """The heuristic's prefill / mixed block sizes with ``bq`` and ``bkv`` set from the
+    head_dim-64 call's arguments (None: the heuristic's); the compute chunks are the largest
+    that divide both the new block and the heuristic's chunk."""
+    import math
+    new_bq = heuristic.bq if bq is None else int(bq)
+    new_bkv = heuristic.bkv if kv_pages is None else int(kv_pages) * page_size
+    return BlockSizes(new_bq, new_bkv, math.gcd(new_bq, heuristic.cq), math.gcd(new_bkv, heuristic.ckv))
+
+
+def _call(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, distribution, *, layout,
+          use_causal_mask, update_kv_cache, skip_kv_mask, sm_scale, sliding_window, soft_cap, out_dtype,
+          mask_value, q_scale, k_scale, v_scale, chunk_prefill_size, explicit, vmem_limit_bytes, debug_mode,
+          attention_sink, interpret, hd64_blocks=None):
     dims = validate_inputs(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens,
                            distribution, sliding_window=sliding_window, soft_cap=soft_cap,
                            sm_scale=sm_scale, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale,
-                           block_sizes=explicit)
+                           block_sizes=explicit, layout=layout, use_causal_mask=use_causal_mask,
+                           update_kv_cache=update_kv_cache, skip_kv_mask=skip_kv_mask,
+                           attention_sink=attention_sink, chunk_prefill_size=chunk_prefill_size,
+                           vmem_limit_bytes=vmem_limit_bytes, debug_mode=debug_mode, out_dtype=out_dtype,
+                           mask_value=mask_value)
     if interpret is True:
         interpret = pltpu.InterpretParams()
     elif interpret is False:
         interpret = None
-    options = build_options(dims, current_generation().name, explicit, sm_scale=sm_scale,
+    generation = current_generation().name
+    if hd64_blocks is not None and any(v is not None for v in hd64_blocks):
+        for case in (Case.PREFILL, Case.MIXED):
+            h = heuristic_block_sizes_for(case, generation=generation, dims=dims,
+                                          sliding_window=sliding_window is not None,
+                                          chunk_prefill_size=chunk_prefill_size)
+            explicit[case] = _hd64_block_sizes(h, dims["page_size"], *hd64_blocks)
+    options = build_options(dims, generation, explicit, sm_scale=sm_scale,
                             sliding_window=sliding_window, soft_cap=soft_cap, q_scale=q_scale,
                             k_scale=k_scale, v_scale=v_scale, chunk_prefill_size=chunk_prefill_size,
-                            vmem_limit_bytes=vmem_limit_bytes)
+                            vmem_limit_bytes=vmem_limit_bytes, causal=use_causal_mask,
+                            update_cache=update_kv_cache, layout=layout, sinks=attention_sink is not None)
+    sinks = None
+    if attention_sink is not None:
+        # base 2, as the kernel's scores: (Hkv, G, 128) lane-replicated
+        Hkv = dims["num_kv_heads"]
+        sinks = jnp.asarray(attention_sink, jnp.float32).reshape(Hkv, -1, 1) * np.float32(np.log2(np.e))
+        sinks = jnp.broadcast_to(sinks, (*sinks.shape[:2], 128))
     return _rpa_jit(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens,
-                    distribution, options=options, interpret=interpret)
+                    distribution, sinks, options=options, interpret=interpret)
 
 
 @dataclass(frozen=True)
@@ -169,18 +270,29 @@ class Options:
     static_meta: tuple | None = None      # analysis mode, per case
     cases: tuple = ("decode", "prefill", "mixed")
     new_kv_in_vmem: bool = False          # analysis: the new K/V operand constrained to VMEM
+    causal: bool = True                   # use_causal_mask
+    update_cache: bool = True             # update_kv_cache
+    layout: str = "merged"                # the cache layout: "merged" or "hd64" (rpa.KernelSpec.kv_layout)
+    sinks: bool = False                   # an attention_sink operand
 
 
 def build_options(dims: dict, generation: str, explicit: dict, *, sm_scale=1.0, sliding_window=None,
                   soft_cap=None, q_scale=None, k_scale=None, v_scale=None, chunk_prefill_size=None,
                   vmem_limit_bytes=None, static_meta=None, cases=("decode", "prefill", "mixed"),
-                  heuristic_only: bool = False, new_kv_in_vmem: bool = False) -> "Options":
+                  heuristic_only: bool = False, new_kv_in_vmem: bool = False, causal: bool = True,
+                  update_cache: bool = True, layout: str = "merged", sinks: bool = False) -> "Options":
     """Resolve block sizes per case and freeze every static option of one call.
 
     For a program built for analysis (``kernel.analysis``): ``heuristic_only`` resolves the
     cases without explicit sizes to the heuristic (no override, no table), so the program
     does not depend on the tables of the process building it; ``new_kv_in_vmem`` places
-    the case kernels' new K/V operand in VMEM."""
+    the case kernels' new K/V operand in VMEM.
+
+    A non-causal call and a call on the head_dim-64 layout resolve without tables (the
+    heuristic's sizes where none are given): the tables' keys are causal, merged-layout
+    programs."""
+    if not causal or layout != "merged":
+        heuristic_only = True
     resolved, table_limits = {}, []
     for case in CASES:
         bs, _source, limit = _resolve(case, explicit.get(case), generation=generation, dims=dims,
@@ -198,7 +310,8 @@ def build_options(dims: dict, generation: str, explicit: dict, *, sm_scale=1.0, 
         sm_scale=float(sm_scale), sliding_window=None if sliding_window is None else int(sliding_window),
         soft_cap=f(soft_cap), q_scale=f(q_scale), k_scale=f(k_scale), v_scale=f(v_scale),
         block_sizes=tuple(resolved[c] for c in CASES), vmem_limit_bytes=vmem_limit_bytes,
-        generation=generation, static_meta=static_meta, cases=tuple(cases), new_kv_in_vmem=bool(new_kv_in_vmem))
+        generation=generation, static_meta=static_meta, cases=tuple(cases), new_kv_in_vmem=bool(new_kv_in_vmem),
+        causal=bool(causal), update_cache=bool(update_cache), layout=str(layout), sinks=bool(sinks))
 
 
 def prepare_inputs(queries, keys, values, kv_cache, options: Options):
@@ -220,10 +333,14 @@ def prepare_inputs(queries, keys, values, kv_cache, options: Options):
         q = (quantize(q, kv_cache.dtype, options.q_scale)).astype(queries.dtype)
     q = q.reshape(T, Hkv, G, D)
     q = jnp.pad(q, ((0, q_pad), (0, 0), (0, 0), (0, Dp - D)))
-    k = quantize(keys, kv_cache.dtype, options.k_scale)
-    v = quantize(values, kv_cache.dtype, options.v_scale)
-    kv = jnp.stack([k, v], axis=2).reshape(T, 2 * Hkv, D)
-    kv = jnp.pad(kv, ((0, kv_pad), (0, kv_rows * pk - 2 * Hkv), (0, Dp - D)))
+    k = quantize(keys, kv_cache.dtype)     # K/V arrive quantized: the scales only dequantize
+    v = quantize(values, kv_cache.dtype)
+    if options.layout == "hd64":            # head h: [K | V] in 128 lanes, entry h
+        kv = jnp.concatenate([k, v], axis=2)
+        kv = jnp.pad(kv, ((0, kv_pad), (0, kv_rows * pk - Hkv), (0, 0)))
+    else:
+        kv = jnp.stack([k, v], axis=2).reshape(T, 2 * Hkv, D)
+        kv = jnp.pad(kv, ((0, kv_pad), (0, kv_rows * pk - 2 * Hkv), (0, Dp - D)))
     kv = kv.reshape(T + kv_pad, kv_rows, pk, Dp)
     o = jnp.zeros_like(q)
     return q, kv, o
@@ -240,7 +357,9 @@ def case_spec(case: Case, options: Options, *, num_kv_heads, group, head_dim, pa
         sliding_window=options.sliding_window, soft_cap=options.soft_cap,
         k_scale=options.k_scale, v_scale=options.v_scale, q_scale=options.q_scale,
         static_meta=static_meta, skip_dead_chunks=gen.skip_dead_chunks,
-        score_tile_vregs=gen.score_tile_vregs, bf16_exp=gen.bf16_exp and case != Case.DECODE)
+        score_tile_vregs=gen.score_tile_vregs, bf16_exp=gen.bf16_exp and case != Case.DECODE,
+        causal=options.causal or case == Case.DECODE, update_cache=options.update_cache,
+        kv_layout=options.layout, sinks=options.sinks)
 
 
 def default_case_vmem_limit(bs: BlockSizes, *, generation: str, num_q_heads: int, num_kv_heads: int,
@@ -265,19 +384,21 @@ def vmem_limit_for(spec: rpa.KernelSpec, q_dtype, kv_dtype, generation: str, exp
 
 
 @functools.partial(jax.jit, static_argnames=("options", "interpret"), donate_argnames=("kv_cache",))
-def _rpa_jit(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, distribution, *,
+def _rpa_jit(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, distribution, sinks=None, *,
              options: Options, interpret):
     T, Hq, D = queries.shape
     q, newkv, o = prepare_inputs(queries, keys, values, kv_cache, options)
     o, kv_cache = run_cases(q, newkv, o, kv_cache, kv_lens, page_indices, cu_q_lens, distribution,
                             num_kv_heads=keys.shape[1], group=Hq // keys.shape[1], head_dim=D,
-                            options=options, interpret=interpret)
+                            options=options, interpret=interpret, sinks=sinks)
+    if options.layout == "hd64":            # the PV products' V lanes (rpa._Attention.kv_of_head)
+        return o[:T].reshape(T, Hq, -1)[:, :, D:2 * D], kv_cache
     out = o[:T].reshape(T, Hq, -1)[:, :, :D]
     return out, kv_cache
 
 
 def run_cases(q, newkv, o, kv_cache, kv_lens, page_indices, cu_q_lens, distribution, *, num_kv_heads,
-              group, head_dim, options: Options, interpret):
+              group, head_dim, options: Options, interpret, sinks=None):
     """The case kernels on prepared operands (``prepare_inputs``); returns ``(o, kv_cache)``."""
     Hkv, D = num_kv_heads, head_dim
     S = kv_lens.shape[0]
@@ -298,5 +419,6 @@ def run_cases(q, newkv, o, kv_cache, kv_lens, page_indices, cu_q_lens, distribut
                 options.vmem_limit_bytes[CASES.index(case)] if isinstance(options.vmem_limit_bytes, tuple)
                 else options.vmem_limit_bytes),
             interpret=interpret if interpret is not None else False)
-        o, kv_cache = call(kv_lens, page_indices, cu_q_lens, distribution, q, newkv, kv_cache, o)
+        extra = () if sinks is None else (sinks,)
+        o, kv_cache = call(kv_lens, page_indices, cu_q_lens, distribution, q, newkv, kv_cache, o, *extra)
     return o, kv_cache

@@ -137,6 +137,19 @@ def get_kv_cache_shape(num_pages: int, page_size: int, num_kv_heads: int, head_d
     return (int(num_pages), int(page_size), cdiv(2 * num_kv_heads, pk), pk, round_up(head_dim, 128))
 
 
+def get_kv_cache_shape_hd64(num_pages: int, page_size: int, num_kv_heads: int, kv_dtype, head_dim: int = 64):
+    """The head_dim-64 layout tpu-inference's ``ragged_paged_attention_hd64`` uses (head h at
+    entry h, K in lanes 0-63 and V in lanes 64-127): ``[num_pages, page_size,
+    ceil(num_kv_heads / kv_packing), kv_packing, 128]``. ``head_dim`` must be 64."""
+    if head_dim != 64:
+        raise ValueError(f"head_dim={head_dim!r} is not valid for the head_dim-64 cache layout; valid: 64")
+    for name, v in (("num_pages", num_pages), ("page_size", page_size), ("num_kv_heads", num_kv_heads)):
+        if not isinstance(v, (int, np.integer)) or v <= 0:
+            raise ValueError(f"{name}={v!r} must be a positive int")
+    pk = kv_packing(kv_dtype)
+    return (int(num_pages), int(page_size), cdiv(num_kv_heads, pk), pk, 128)
+
+
 def kv_bytes_per_token(num_kv_heads: int, head_dim: int, kv_dtype) -> int:
     """Bytes of one token's K and V, all KV heads, in the cache layout (``get_kv_cache_shape``:
     combined heads padded to the packing, head_dim to 128 lanes). The one definition used by

@@ -3,7 +3,17 @@
 It loops over sequences and tokens in Python with the metadata as concrete values, and
 shares no code with the Pallas kernel (only the documented layout). It is the judge in
 tests. Same signature as ``kernel.ragged_paged_attention``; block-size arguments are
-accepted and ignored.
+accepted and ignored. ``layout="hd64"`` reads and writes tpu-inference's head_dim-64 cache
+layout (head h at entry h, K in lanes 0-63, V in lanes 64-127); ``ragged_paged_attention_hd64``
+is that call with its positional ``attention_sink``.
+
+Semantics (RPA v3's): new K/V are stored as given (cast to the cache dtype, saturating at
+an fp8 format's largest finite value, never divided by a scale); ``k_scale`` / ``v_scale``
+multiply the K / V read from the cache; ``q_scale`` quantizes Q as ``q / q_scale`` to the
+cache dtype (saturating) and multiplies it back. ``use_causal_mask=False``: every query
+sees all ``kv_len`` keys. ``update_kv_cache=False``: nothing is written, K/V come from the
+cache. ``attention_sink`` (per query head, natural-log units): one more logit in each
+softmax denominator, with no value.
 """
 from __future__ import annotations
 
@@ -11,21 +21,56 @@ import ml_dtypes
 import numpy as np
 
 FP8_E4M3_MAX = 448.0
+FP8_E5M2_MAX = 57344.0
 
 
-def _to_dtype(x: np.ndarray, dtype, scale) -> np.ndarray:
-    """Quantize f32 values to ``dtype`` after dividing by a per-tensor scale."""
+def _to_dtype(x: np.ndarray, dtype, scale=None) -> np.ndarray:
+    """f32 values (divided by ``scale`` if given) cast to ``dtype``, saturating at an fp8
+    format's largest finite value."""
     x = x.astype(np.float32)
     if scale is not None:
         x = x / np.float32(scale)
     if np.dtype(dtype) == np.dtype(ml_dtypes.float8_e4m3fn):
         x = np.clip(x, -FP8_E4M3_MAX, FP8_E4M3_MAX)
+    elif np.dtype(dtype) == np.dtype(ml_dtypes.float8_e5m2):
+        x = np.clip(x, -FP8_E5M2_MAX, FP8_E5M2_MAX)
     return x.astype(dtype)
+
+
+def _kv_slots(layout: str, h: int, pack: int, D: int):
+    """Where head h's K and V live in one cache slot (row, packing entry, lanes)."""
+    if layout == "hd64":
+        row, j = divmod(h, pack)
+        return (row, j, slice(0, D)), (row, j, slice(D, 2 * D))
+    rk, jk = divmod(2 * h, pack)
+    rv, jv = divmod(2 * h + 1, pack)
+    return (rk, jk, slice(0, D)), (rv, jv, slice(0, D))
+
+
+def _softmax_with_sink(logits: np.ndarray, sink) -> np.ndarray:
+    """softmax over the last axis; a sink is one more logit in the denominator."""
+    m = logits.max(axis=-1, keepdims=True)
+    if sink is not None:
+        m = np.maximum(m, np.float32(sink))
+    w = np.exp(logits - m)
+    den = w.sum(axis=-1, keepdims=True)
+    if sink is not None:
+        den = den + np.exp(np.float32(sink) - m)
+    return w / den
+
+
+def ragged_paged_attention_hd64(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens,
+                                distribution, attention_sink=None, **kwargs):
+    """``ragged_paged_attention`` on the head_dim-64 layout (tpu-inference's
+    ``ragged_paged_attention_hd64`` signature; its block-size arguments ignored)."""
+    return ragged_paged_attention(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens,
+                                  distribution, attention_sink=attention_sink, layout="hd64", **kwargs)
 
 
 def ragged_paged_attention(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens,
                            distribution, *, sm_scale=1.0, sliding_window=None, soft_cap=None,
-                           q_scale=None, k_scale=None, v_scale=None, **_ignored):
+                           q_scale=None, k_scale=None, v_scale=None, use_causal_mask=True,
+                           update_kv_cache=True, attention_sink=None, layout="merged", **_ignored):
     q_all = np.asarray(queries)
     k_all = np.asarray(keys)
     v_all = np.asarray(values)
@@ -39,9 +84,7 @@ def ragged_paged_attention(queries, keys, values, kv_cache, kv_lens, page_indice
     group = Hq // Hkv
     page_size, pack = cache.shape[1], cache.shape[3]
     pages_per_seq = page_indices.shape[0] // kv_lens.shape[0]
-
-    def slot(c):  # combined head c (K of head h is 2h, V is 2h + 1) -> (row, lane-group)
-        return c // pack, c % pack
+    sinks = None if attention_sink is None else np.asarray(attention_sink, np.float32)
 
     out = np.zeros((T, Hq, D), np.float32)
     for s in range(num_seqs):
@@ -51,25 +94,23 @@ def ragged_paged_attention(queries, keys, values, kv_cache, kv_lens, page_indice
         pages = page_indices[s * pages_per_seq:(s + 1) * pages_per_seq]
         # 1. write the new tokens into the cache: the whole slot is replaced, and its
         #    padding (head_dim lanes beyond D, unused packed heads) is zero
-        for t in range(q_len):
+        for t in range(q_len if update_kv_cache else 0):
             pos = ctx + t
             page, row = int(pages[pos // page_size]), pos % page_size
             cache[page, row] = np.zeros(cache.shape[2:], cache.dtype)
             for h in range(Hkv):
-                r, j = slot(2 * h)
-                cache[page, row, r, j, :D] = _to_dtype(k_all[q0 + t, h], cache.dtype, k_scale)
-                r, j = slot(2 * h + 1)
-                cache[page, row, r, j, :D] = _to_dtype(v_all[q0 + t, h], cache.dtype, v_scale)
+                (rk, jk, lk), (rv, jv, lv) = _kv_slots(layout, h, pack, D)
+                cache[page, row, rk, jk, lk] = _to_dtype(k_all[q0 + t, h], cache.dtype)
+                cache[page, row, rv, jv, lv] = _to_dtype(v_all[q0 + t, h], cache.dtype)
         # 2. gather K, V of all positions [0, kv_len) from the updated cache (dequantized)
         K = np.zeros((kv_len, Hkv, D), np.float32)
         V = np.zeros((kv_len, Hkv, D), np.float32)
         for pos in range(kv_len):
             page, row = int(pages[pos // page_size]), pos % page_size
             for h in range(Hkv):
-                r, j = slot(2 * h)
-                K[pos, h] = cache[page, row, r, j, :D].astype(np.float32)
-                r, j = slot(2 * h + 1)
-                V[pos, h] = cache[page, row, r, j, :D].astype(np.float32)
+                (rk, jk, lk), (rv, jv, lv) = _kv_slots(layout, h, pack, D)
+                K[pos, h] = cache[page, row, rk, jk, lk].astype(np.float32)
+                V[pos, h] = cache[page, row, rv, jv, lv].astype(np.float32)
         if k_scale is not None:
             K *= np.float32(k_scale)
         if v_scale is not None:
@@ -77,7 +118,7 @@ def ragged_paged_attention(queries, keys, values, kv_cache, kv_lens, page_indice
         # 3. attention, one query token at a time
         for t in range(q_len):
             pos_q = ctx + t
-            visible = np.arange(kv_len) <= pos_q
+            visible = np.arange(kv_len) <= (pos_q if use_causal_mask else kv_len - 1)
             if sliding_window is not None:
                 visible &= np.arange(kv_len) > pos_q - sliding_window
             for hq in range(Hq):
@@ -89,15 +130,15 @@ def ragged_paged_attention(queries, keys, values, kv_cache, kv_lens, page_indice
                 if soft_cap is not None:
                     logits = soft_cap * np.tanh(logits / soft_cap)
                 logits = np.where(visible, logits, -np.inf)
-                w = np.exp(logits - logits.max())
-                w /= w.sum()
+                w = _softmax_with_sink(logits, None if sinks is None else sinks[hq])
                 out[q0 + t, hq] = w @ V[:, h]
     return out.astype(q_all.dtype), cache
 
 
 def ragged_paged_attention_fast(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens,
                                 distribution, *, sm_scale=1.0, sliding_window=None, soft_cap=None,
-                                q_scale=None, k_scale=None, v_scale=None, **_ignored):
+                                q_scale=None, k_scale=None, v_scale=None, use_causal_mask=True,
+                                update_kv_cache=True, attention_sink=None, layout="merged", **_ignored):
     """``ragged_paged_attention`` with the per-token and per-head loops as NumPy array ops
     (one Python iteration per sequence, and per chunk of its query tokens): the same cache
     update bit for bit, the same attention up to float summation order. For the tuner's
@@ -119,6 +160,12 @@ def ragged_paged_attention_fast(queries, keys, values, kv_cache, kv_lens, page_i
     heads = np.arange(Hkv)
     k_row, k_lane = (2 * heads) // pack, (2 * heads) % pack          # K of head h is combined head 2h
     v_row, v_lane = (2 * heads + 1) // pack, (2 * heads + 1) % pack  # V is 2h + 1
+    k_lanes = v_lanes = slice(0, D)
+    if layout == "hd64":                                             # head h is entry h: [K | V]
+        k_row, k_lane = heads // pack, heads % pack
+        v_row, v_lane = k_row, k_lane
+        v_lanes = slice(D, 2 * D)
+    sinks = None if attention_sink is None else np.asarray(attention_sink, np.float32)
 
     out = np.zeros((T, Hq, D), np.float32)
     for s in range(num_seqs):
@@ -127,16 +174,17 @@ def ragged_paged_attention_fast(queries, keys, values, kv_cache, kv_lens, page_i
         ctx = kv_len - q_len
         pages = page_indices[s * pages_per_seq:(s + 1) * pages_per_seq]
         # 1. the new tokens' slots: zeroed whole, then K and V of each head written
-        pos = np.arange(ctx, kv_len)
-        pg, row = pages[pos // page_size].astype(np.int64), pos % page_size
-        cache[pg, row] = 0
-        cache[pg[:, None], row[:, None], k_row[None], k_lane[None], :D] = _to_dtype(k_all[q0:q1], cache.dtype, k_scale)
-        cache[pg[:, None], row[:, None], v_row[None], v_lane[None], :D] = _to_dtype(v_all[q0:q1], cache.dtype, v_scale)
+        if update_kv_cache:
+            pos = np.arange(ctx, kv_len)
+            pg, row = pages[pos // page_size].astype(np.int64), pos % page_size
+            cache[pg, row] = 0
+            cache[pg[:, None], row[:, None], k_row[None], k_lane[None], k_lanes] = _to_dtype(k_all[q0:q1], cache.dtype)
+            cache[pg[:, None], row[:, None], v_row[None], v_lane[None], v_lanes] = _to_dtype(v_all[q0:q1], cache.dtype)
         # 2. K, V of positions [0, kv_len) from the updated cache, dequantized: (Hkv, kv_len, D)
         pos = np.arange(kv_len)
         pg, row = pages[pos // page_size].astype(np.int64), pos % page_size
-        K = cache[pg[:, None], row[:, None], k_row[None], k_lane[None], :D].astype(np.float32).transpose(1, 0, 2)
-        V = cache[pg[:, None], row[:, None], v_row[None], v_lane[None], :D].astype(np.float32).transpose(1, 0, 2)
+        K = cache[pg[:, None], row[:, None], k_row[None], k_lane[None], k_lanes].astype(np.float32).transpose(1, 0, 2)
+        V = cache[pg[:, None], row[:, None], v_row[None], v_lane[None], v_lanes].astype(np.float32).transpose(1, 0, 2)
         if k_scale is not None:
             K *= np.float32(k_scale)
         if v_scale is not None:
@@ -157,13 +205,20 @@ def ragged_paged_attention_fast(queries, keys, values, kv_cache, kv_lens, page_i
                 np.tanh(logits, out=logits)
                 logits *= np.float32(soft_cap)
             pos_q = (ctx + np.arange(t0, t1))[:, None]                              # (n, 1)
-            hidden = pos > pos_q
+            hidden = pos > (pos_q if use_causal_mask else kv_len - 1)
             if sliding_window is not None:
                 hidden |= pos <= pos_q - sliding_window
             np.copyto(logits.reshape(Hkv, n, group, kv_len), -np.inf, where=hidden[None, :, None, :])
-            logits -= logits.max(axis=-1, keepdims=True)
+            m = logits.max(axis=-1, keepdims=True)
+            if sinks is not None:       # (Hkv, n * group, 1): query head h * group + j
+                sk = np.broadcast_to(sinks.reshape(Hkv, 1, group), (Hkv, n, group)).reshape(Hkv, n * group, 1)
+                m = np.maximum(m, sk)
+            logits -= m
             np.exp(logits, out=logits)
-            logits /= logits.sum(axis=-1, keepdims=True)
+            den = logits.sum(axis=-1, keepdims=True)
+            if sinks is not None:
+                den = den + np.exp(sk - m)
+            logits /= den
             o = np.matmul(logits, V)                                                # (Hkv, n*group, D)
             out[q0 + t0:q0 + t1] = o.reshape(Hkv, n, group, D).transpose(1, 0, 2, 3).reshape(n, Hq, D)
     return out.astype(q_all.dtype), cache

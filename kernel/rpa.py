@@ -102,6 +102,16 @@ class KernelSpec:
     skip_dead_chunks: bool = True   # prefill / mixed: skip chunks with no visible key
     score_tile_vregs: int = 256     # see _row_tile and TpuGeneration.score_tile_vregs
     bf16_exp: bool = False          # see TpuGeneration.bf16_exp
+    # False: every query sees all kv_len keys of its sequence (prefill / mixed; decode's one
+    # token sees them all either way)
+    causal: bool = True
+    # False: K/V of every position are read from the cache (the new tokens' included, as
+    # another layer wrote them) and the cache is left as it is (KV sharing across layers)
+    update_cache: bool = True
+    # "merged": K and V of head h are entries 2h and 2h + 1 of the packed rows; "hd64":
+    # head_dim 64, head h is entry h with K in lanes 0-63 and V in lanes 64-127
+    kv_layout: str = "merged"
+    sinks: bool = False             # an attention-sink logit per query head (one more operand)
 
     @property
     def name(self) -> str:
@@ -354,11 +364,29 @@ def _e4m3_bf16_bits(t):
     return jnp.where(m < 8, tiny, normal) | ((t & 0x80) << 8)
 
 
-def _split_e4m3_words(w, j: int):
-    """float8_e4m3fn K/V of two heads packed in uint32 words -> (K, V) bf16 of head ``j``
-    (0 or 1): a word holds (k_0, v_0, k_1, v_1) of one lane, lowest byte first."""
+# float8_e5m2: sign, 5 exponent bits (bias 15), 2 mantissa bits.
+_E5M2_REBIAS = (127 - 15) << 7
+
+
+def _e5m2_bf16_bits(t):
+    """``_e4m3_bf16_bits`` for float8_e5m2: a normal byte (exponent field 1-30) moves its
+    exponent and mantissa fields up by 5 bits and re-biases the exponent; a subnormal
+    (field 0) is its 2-bit mantissa times 2^-16. The infinities and NaNs (field 31) map to
+    finite values (+-65536 .. 114688), so rows past a sequence's end need no mask here
+    either. Exact for every finite e5m2 value."""
+    m = t & 0x7F
+    normal = (m << 5) + _E5M2_REBIAS
+    tiny = jax.lax.bitcast_convert_type(m, jnp.int32).astype(jnp.float32) * (2.0 ** -16)
+    tiny = jax.lax.bitcast_convert_type(tiny, jnp.uint32) >> 16
+    return jnp.where(m < 4, tiny, normal) | ((t & 0x80) << 8)
+
+
+def _split_e4m3_words(w, j: int, convert=_e4m3_bf16_bits):
+    """fp8 K/V of two heads packed in uint32 words -> (K, V) bf16 of head ``j`` (0 or 1): a
+    word holds (k_0, v_0, k_1, v_1) of one lane, lowest byte first (``convert``: the fp8
+    format's byte -> bf16 bits)."""
     t = w >> (16 * j) if j else w
-    return _bf16_of_low_bits(_e4m3_bf16_bits(t)), _bf16_of_low_bits(_e4m3_bf16_bits(t >> 8))
+    return _bf16_of_low_bits(convert(t)), _bf16_of_low_bits(convert(t >> 8))
 
 
 def _row_tile(rows: int, ckv: int, budget_vregs: int) -> int:
@@ -451,6 +479,7 @@ class _Refs(typing.NamedTuple):
     cnt: object              # SMEM words (_Word)
     meta: object             # SMEM: analysis mode's metadata
     sems: object             # DMA semaphores (_Sem)
+    sinks: object = None     # VMEM (Hkv, G, 128): base-2 sink logits (KernelSpec.sinks), an input
 
 
 class _Metadata:
@@ -531,6 +560,11 @@ class _Metadata:
         q_last = ctx + _min((i + 1) * g.bq, q_len) - 1  # position of its last valid row
         lo = _max(0, q_first - g.window + 1) if g.window else 0
         c0 = _div(lo, g.bkv)
+        if not g.spec.causal and not g.decode:
+            q_last = kv_len - 1                        # the last key any of its rows sees
+        if not g.spec.update_cache:
+            # every key from the cache: cached steps only, up to the block's last visible key
+            return _Steps(c0, _max(1, _cdiv(q_last + 1, g.bkv) - c0), 0, 0, 0, q_last + 1)
         if g.decode:
             # merged: the new token's position is in the last step's block (it is unless
             # it starts a block: ctx a multiple of bkv). It is then attended with the
@@ -654,7 +688,7 @@ class _Dmas:
         total = 0
         for b, seq, valid in meta.members(s):
             info = meta.seq_info(seq)
-            ctx = info[3]
+            ctx = info[3] if g.spec.update_cache else info[2]     # the cached keys' end
             blk = meta.qblock_steps(info, 0).c0 + k
             limit = ctx if valid is True else _select_lt(seq, meta.seq_range[1], ctx, 0)
             npages = _cdiv(_max(0, _min(g.bkv, limit - blk * g.bkv)), g.ps)
@@ -687,7 +721,7 @@ class _Dmas:
         # a new step's rows past the q block's last row are seen by none of its rows: not
         # fetched (so a causal q block's first step is its own rows' pages, not the whole
         # block)
-        limit = _select_lt(k, nc, st.cached_limit, _min((i + 1) * g.bq, q_len))
+        limit = _select_lt(k, nc, st.cached_limit, _min((i + 1) * g.bq, q_len) if g.spec.causal else q_len)
         npages = _cdiv(_max(0, _min(g.bkv, limit - blk * g.bkv)), g.ps)
         self.set_kv_pages(slot, npages)
         sc = meta.clamp(s)
@@ -725,6 +759,8 @@ class _Dmas:
         HBM; started (``do_wait`` False) when the sequence starts, awaited when it ends."""
         g = self.g
         q_start, q_len, kv_len, ctx, _ = info
+        if not g.spec.update_cache:
+            return
         if g.decode:
             c = self.cache_rows(s, q_start, ctx, 1)
             (c.wait if do_wait else c.start)()
@@ -838,9 +874,11 @@ class _Attention:
         mask = None
         if g.window:
             q_pos = q_first if g.decode else self.q_pos(q_first, row)
-        elif not g.decode:
+        elif not g.decode and g.spec.causal:
             q_pos = self.q_pos(q_first, row)
-        if not g.decode:
+        if not g.decode and not g.spec.causal:
+            mask = None if key_end is None else k_pos < key_end
+        elif not g.decode:
             # causal and below key_end: one compare per score vreg, against the row's last
             # visible position
             last = q_pos if key_end is None else jnp.minimum(q_pos, key_end - 1)
@@ -908,9 +946,34 @@ class _Attention:
         (k_scale is folded into q, v_scale into the output). bf16: V's rows not ``row_ok``
         are zeroed (their bits may be a NaN); an fp8 byte is never a NaN here
         (``_e4m3_bf16_bits``)."""
-        if self.g.pk == 2:
+        g = self.g
+        dtype = self.refs.kv_buf.dtype
+        convert = _e5m2_bf16_bits if dtype == jnp.float8_e5m2 else _e4m3_bf16_bits
+        if g.spec.kv_layout == "hd64":
+            # head h is entry h: K in lanes 0-63, V in 64-127; q's lanes 64-127 are zero, so
+            # the scores see K only and the PV product's lanes 64-127 are V's (finalize)
+            w = self.kv_words(kvslot, x, h // g.pk, b)
+            if g.pk == 1:
+                kv = pltpu.bitcast(w, jnp.float32)
+                kv = (kv if row_ok is None else jnp.where(row_ok, kv, 0.0)).astype(jnp.bfloat16)
+            elif g.pk == 2:
+                w = w if row_ok is None else jnp.where(row_ok, w, jnp.zeros_like(w))
+                kv = _bf16_of_low_bits(w >> 16 if h % 2 else w)
+            else:
+                j = h % 4
+                kv = _bf16_of_low_bits(convert(w >> (8 * j) if j else w))
+            return kv, kv
+        if g.pk == 2:
             return _split_words(self.kv_words(kvslot, x, h, b), row_ok)
-        return _split_e4m3_words(self.kv_words(kvslot, x, h // 2, b), h % 2)
+        if g.pk == 1:       # float32: K and V of head h are packed rows 2h and 2h + 1
+            k = pltpu.bitcast(self.kv_words(kvslot, x, 2 * h, b), jnp.float32)
+            v = pltpu.bitcast(self.kv_words(kvslot, x, 2 * h + 1, b), jnp.float32)
+            if row_ok is not None:
+                k, v = jnp.where(row_ok, k, 0.0), jnp.where(row_ok, v, 0.0)
+            return k.astype(jnp.bfloat16), v.astype(jnp.bfloat16)
+        if convert is _e4m3_bf16_bits:
+            return _split_e4m3_words(self.kv_words(kvslot, x, h // 2, b), h % 2)
+        return _split_e4m3_words(self.kv_words(kvslot, x, h // 2, b), h % 2, convert)
 
     def compute_step(self, info, i, k_step, kvslot, st: "_Steps"):
         """Prefill / mixed: attend q block i of the sequence (``info``) to KV step k_step, in
@@ -923,6 +986,8 @@ class _Attention:
         base = _select_lt(k_step, nc, blk * bkv, ctx + blk * bkv)       # position of row 0
         q_first = ctx + i * bq
         q_hi = ctx + _min((i + 1) * bq, q_len)                 # one past last valid pos
+        if not spec.causal:
+            q_hi = kv_len                                      # (one past the last key seen)
         limit = _select_lt(k_step, nc, st.cached_limit, q_hi)          # first invalid (fetched) position
         lo_pos = _max(0, q_first - window + 1) if window else 0
 
@@ -1078,9 +1143,13 @@ class _Attention:
         g, r, spec = self.g, self.refs, self.g.spec
         row = r.nkv_buf[nslot, b].astype(jnp.float32)         # (kv_rows, pk, Dp)
         for h in range(g.Hkv):
-            kv_row, j = divmod(2 * h, g.pk)
+            kv_row, j = divmod(h if spec.kv_layout == "hd64" else 2 * h, g.pk)
             kk = row[kv_row, j:j + 1, :]                       # (1, Dp)
-            vv = row[kv_row, j + 1:j + 2, :]                   # unscaled, as the cache's V
+            if spec.kv_layout == "hd64":
+                vv = kk                                        # V in lanes 64-127 (kv_of_head)
+            else:
+                v_row, jv = divmod(2 * h + 1, g.pk)
+                vv = row[v_row, jv:jv + 1, :]                  # unscaled, as the cache's V
             q = r.qh[h, b].astype(jnp.float32)
             s = jnp.sum(q * kk, axis=1, keepdims=True)                   # (G, 1), scaled
             if spec.soft_cap is not None:
@@ -1093,6 +1162,15 @@ class _Attention:
             r.m[h, b] = m_new
             r.acc[h, b] = _lanes(alpha, g.Dp) * r.acc[h, b] + _lanes(p, g.Dp) * vv
 
+    def sink_scale(self, m, l, sink, v_scale):
+        """Attention sinks: the output scale (rows, 128) that adds the sink's logit (base 2,
+        lane-replicated like m and l) to each row's softmax denominator, as one more key
+        with no value: acc / (l + 2^(sink - m)), computed at max(m, sink) so that neither
+        exponent overflows (a row that saw no key gets 0)."""
+        top = jnp.maximum(m, sink)
+        a = self.g.exp(m - top)
+        return (v_scale * a) / (a * l + self.g.exp(sink - top))
+
     def finalize(self, oslot):
         """The output block: acc / l, times v_scale (every V entered the PV products
         unscaled: one multiply per output row instead of one per V element and chunk)."""
@@ -1102,7 +1180,10 @@ class _Attention:
         if g.decode:        # acc / l / o_buf rows per (KV head, sequence): a (G, Dp) slab
             for h in range(g.Hkv):
                 for b in range(g.nseq):
-                    out = r.acc[h, b] * _lanes(v_scale / r.l[h, b], g.Dp)
+                    if g.spec.sinks:
+                        out = r.acc[h, b] * _lanes(self.sink_scale(r.m[h, b], r.l[h, b], r.sinks[h], v_scale), g.Dp)
+                    else:
+                        out = r.acc[h, b] * _lanes(v_scale / r.l[h, b], g.Dp)
                     r.o_buf[oslot, b, h] = out.astype(r.o_buf.dtype)
             return
         words_mode = self._words_mode()
@@ -1110,7 +1191,12 @@ class _Attention:
             words, stride = self._buf_words(r.o_buf, oslot), r.o_buf.shape[2] * G // 2
         for h in range(g.Hkv):
             # (l is lane-replicated: no lane broadcast of its first lane)
-            out = r.acc[h] * _lanes(v_scale / r.l[h], g.Dp)    # (bq * G, Dp), rows as load_q's
+            if g.spec.sinks:    # each row's query head's sink, rows as load_q's
+                sink = jnp.concatenate([jnp.broadcast_to(r.sinks[h, j:j + 1, :], (cq, LANES))
+                                        for _ in range(g.n_qchunks) for j in range(G)], axis=0)
+                out = r.acc[h] * _lanes(self.sink_scale(r.m[h], r.l[h], sink, v_scale), g.Dp)
+            else:
+                out = r.acc[h] * _lanes(v_scale / r.l[h], g.Dp)    # (bq * G, Dp), rows as load_q's
             head = lambda j: jnp.concatenate([out[(y * G + j) * cq:(y * G + j + 1) * cq] for y in range(g.n_qchunks)],
                                              axis=0)         # query head j: (bq, Dp)
             if not words_mode:
@@ -1189,6 +1275,8 @@ def _pipeline(g: _Geometry, meta: _Metadata, dma: _Dmas, attn: _Attention, cnt):
                     attn.compute_step(info, i, k, kvslot, st)
                 else:
                     for b, (inf, st_b, live) in enumerate(zip(infos, sts, lives)):
+                        if not g.spec.update_cache:
+                            break               # (the new token is read from the cache)
                         # the sequence's last step, when its block holds the new token
                         last = jnp.logical_and(k + 1 >= nsteps if nseq == 1 else k + 1 == st_b.nc, st_b.merged == 1)
                         if live is not None:
@@ -1199,7 +1287,7 @@ def _pipeline(g: _Geometry, meta: _Metadata, dma: _Dmas, attn: _Attention, cnt):
                 return carry3
 
             jax.lax.fori_loop(0, nsteps, step, 0)
-            if g.decode:
+            if g.decode and g.spec.update_cache:
                 for b, (st_b, live) in enumerate(zip(sts, lives)):
                     apart = st_b.merged == 0
                     if live is not None:
@@ -1263,7 +1351,12 @@ def _make_kernel(spec: KernelSpec, interpret: bool = False):
     g = _Geometry.of(spec)
 
     def kernel(*refs):
-        refs = _Refs(*refs)
+        if spec.sinks:      # the sinks operand follows the four HBM inputs
+            refs = list(refs)
+            sinks = refs.pop(8)
+            refs = _Refs(*refs, sinks=sinks)
+        else:
+            refs = _Refs(*refs)
         meta = _Metadata(g, refs)
         _pipeline(g, meta, _Dmas(g, refs, meta), _Attention(g, refs, interpret), refs.cnt)
 
@@ -1301,6 +1394,9 @@ def build_case_call(spec: KernelSpec, *, q_shape, q_dtype, newkv_shape, cache_sh
     # VMEM -> SMEM prefetch DMA ("Unsupported DMA direction: 10 on VL/VLP"). The kernel's
     # operand order is the same either way.
     n_prefetch = 0 if spec.static_meta is not None else 4
+    in_specs = [any_spec] * (8 - n_prefetch)
+    if spec.sinks:
+        in_specs.append(pl.BlockSpec((Hkv, G, LANES), lambda *_: (0, 0, 0), memory_space=pltpu.VMEM))
     params = dict(dimension_semantics=("arbitrary",))
     if vmem_limit_bytes is not None:
         params["vmem_limit_bytes"] = int(vmem_limit_bytes)
@@ -1310,7 +1406,7 @@ def build_case_call(spec: KernelSpec, *, q_shape, q_dtype, newkv_shape, cache_sh
                    jax.ShapeDtypeStruct(cache_shape, cache_dtype)),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=n_prefetch, grid=(1,),
-            in_specs=[any_spec] * (8 - n_prefetch), out_specs=[any_spec, any_spec],
+            in_specs=in_specs, out_specs=[any_spec, any_spec],
             scratch_shapes=scratch),
         # operand indices count the 4 scalar-prefetch arrays: cache is #6, o_in is #7
         input_output_aliases={7: 0, 6: 1},

@@ -11,11 +11,14 @@ import os
 
 import numpy as np
 
-from .config import BlockSizes, block_size_errors, cdiv, get_kv_cache_shape
+from .config import BlockSizes, block_size_errors, cdiv, get_kv_cache_shape, get_kv_cache_shape_hd64
 
 SUPPORTED_Q_DTYPES = ("bfloat16", "float32")
-SUPPORTED_KV_DTYPES = ("bfloat16", "float8_e4m3fn")
+SUPPORTED_KV_DTYPES = ("bfloat16", "float32", "float8_e4m3fn", "float8_e5m2")
+# the head dims the tuner's CLI offers by name (the kernel takes any head_dim)
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
+# new K/V may be given in the cache dtype or in one of these (cast to it, saturating)
+WIDE_KV_INPUT_DTYPES = ("bfloat16", "float32")
 ENV_CHECK_VALUES = "RPA_CHECK_VALUES"     # "1": check metadata values on every eager call
 
 
@@ -38,17 +41,79 @@ def _dtype_name(x) -> str:
     return np.dtype(x.dtype).name
 
 
+def _is_int(v) -> bool:
+    return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+
+
+def _is_real(v) -> bool:
+    return isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool)
+
+
+def validate_options(*, sliding_window=None, soft_cap=None, sm_scale=1.0, q_scale=None, k_scale=None,
+                     v_scale=None, use_causal_mask=True, update_kv_cache=True, skip_kv_mask=False,
+                     chunk_prefill_size=None, vmem_limit_bytes=None, debug_mode=False, mask_value=None,
+                     out_dtype=None) -> None:
+    """The options' rules (v3's, in its words where it has one: "must be positive", "must
+    not be 0.0"); ``ValueError`` naming the value and what is valid."""
+    def err(msg):
+        raise ValueError(msg)
+
+    for name, v in (("use_causal_mask", use_causal_mask), ("update_kv_cache", update_kv_cache),
+                    ("skip_kv_mask", skip_kv_mask), ("debug_mode", debug_mode)):
+        if not isinstance(v, (bool, np.bool_)):
+            err(f"{name}={v!r} must be a bool (True or False)")
+    if use_causal_mask and skip_kv_mask:
+        err("skip_kv_mask=True needs use_causal_mask=False (v3: \"Can not skip kv mask when using causal mask.\")")
+    if debug_mode:
+        err("debug_mode=True is not supported (v3's DMA-free debug printing); valid: False")
+    if sliding_window is not None:
+        if not _is_int(sliding_window) or sliding_window <= 0:
+            err(f"sliding_window={sliding_window!r} must be positive (a positive int, or None for no window)")
+        if not use_causal_mask:
+            err(f"sliding_window={sliding_window!r} needs use_causal_mask=True (a window bounds causal attention; "
+                "valid without the causal mask: None)")
+    if soft_cap is not None and not (_is_real(soft_cap) and np.isfinite(soft_cap) and soft_cap != 0):
+        err(f"soft_cap={soft_cap!r} must not be 0.0 (valid: a nonzero finite float, or None for no cap)")
+    for name, v in (("sm_scale", sm_scale), ("q_scale", q_scale), ("k_scale", k_scale), ("v_scale", v_scale)):
+        if v is not None and not (_is_real(v) and np.isfinite(v)):
+            err(f"{name}={v!r} must be a finite Python float (per-tensor scale) or None")
+        if name != "sm_scale" and v is not None and v <= 0:
+            err(f"{name}={v!r} must be > 0")
+    for name, v in (("chunk_prefill_size", chunk_prefill_size), ("vmem_limit_bytes", vmem_limit_bytes)):
+        if v is not None and (not _is_int(v) or v <= 0):
+            err(f"{name}={v!r} must be positive (a positive int, or None for the default)")
+    if mask_value is not None and not (_is_real(mask_value) and mask_value < 0):
+        err(f"mask_value={mask_value!r} must be a negative float or None (masked keys get weight 0 either way)")
+    if out_dtype is not None:
+        try:
+            ok = np.issubdtype(np.dtype(out_dtype), np.floating)
+        except TypeError:
+            ok = False
+        if not ok:
+            err(f"out_dtype={out_dtype!r} must be a float dtype or None")
+
+
 def validate_inputs(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens,
                     distribution, *, sliding_window=None, soft_cap=None, sm_scale=1.0,
                     q_scale=None, k_scale=None, v_scale=None, block_sizes=None,
-                    check_values: bool | None = None) -> dict:
+                    check_values: bool | None = None, layout: str = "merged", use_causal_mask=True,
+                    update_kv_cache=True, skip_kv_mask=False, attention_sink=None, chunk_prefill_size=None,
+                    vmem_limit_bytes=None, debug_mode=False, out_dtype=None, mask_value=None) -> dict:
     """Validate shapes, dtypes and options; with ``check_values`` (default:
-    ``$RPA_CHECK_VALUES``) also the metadata values when they are concrete.
+    ``$RPA_CHECK_VALUES``) also the metadata values when they are concrete. ``layout``:
+    the cache layout, ``"merged"`` (``get_kv_cache_shape``) or ``"hd64"``
+    (``get_kv_cache_shape_hd64``).
 
     Returns the derived problem dimensions. Raises ``ValueError`` naming the bad value.
     """
     def err(msg):
         raise ValueError(msg)
+
+    validate_options(sliding_window=sliding_window, soft_cap=soft_cap, sm_scale=sm_scale, q_scale=q_scale,
+                     k_scale=k_scale, v_scale=v_scale, use_causal_mask=use_causal_mask,
+                     update_kv_cache=update_kv_cache, skip_kv_mask=skip_kv_mask,
+                     chunk_prefill_size=chunk_prefill_size, vmem_limit_bytes=vmem_limit_bytes,
+                     debug_mode=debug_mode, mask_value=mask_value, out_dtype=out_dtype)
 
     if getattr(queries, "ndim", None) != 3:
         err(f"queries must be [max_num_tokens, num_q_heads, head_dim], got shape {getattr(queries, 'shape', None)}")
@@ -64,8 +129,10 @@ def validate_inputs(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q
     Hkv = keys.shape[1]
     if Hkv <= 0 or Hq % Hkv:
         err(f"num_q_heads={Hq} is not divisible by num_kv_heads={Hkv} (rule: num_q_heads % num_kv_heads == 0)")
-    if D not in SUPPORTED_HEAD_DIMS:
-        err(f"head_dim={D} is not supported; valid head_dim: {SUPPORTED_HEAD_DIMS}")
+    if D <= 0:
+        err(f"head_dim={D} must be positive (any positive head_dim; padded to a multiple of 128 lanes)")
+    if layout == "hd64" and D != 64:
+        err(f"head_dim={D} is not valid for the head_dim-64 kernel (ragged_paged_attention_hd64); valid: 64")
     if _dtype_name(queries) not in SUPPORTED_Q_DTYPES:
         err(f"queries dtype {_dtype_name(queries)} not supported; valid: {SUPPORTED_Q_DTYPES}")
     if _dtype_name(keys) != _dtype_name(values):
@@ -73,13 +140,23 @@ def validate_inputs(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q
     kv_dtype = _dtype_name(kv_cache)
     if kv_dtype not in SUPPORTED_KV_DTYPES:
         err(f"kv_cache dtype {kv_dtype} not supported; valid: {SUPPORTED_KV_DTYPES}")
+    if _dtype_name(keys) != kv_dtype and _dtype_name(keys) not in WIDE_KV_INPUT_DTYPES:
+        err(f"keys / values dtype {_dtype_name(keys)} is neither the cache's ({kv_dtype}) nor one of "
+            f"{WIDE_KV_INPUT_DTYPES} (cast to the cache's)")
+    shape_fn = get_kv_cache_shape_hd64 if layout == "hd64" else get_kv_cache_shape
     if getattr(kv_cache, "ndim", None) != 5:
-        err(f"kv_cache must be 5-D {get_kv_cache_shape.__doc__.split('``')[1]}, got shape {getattr(kv_cache, 'shape', None)}")
+        err(f"kv_cache must be 5-D {shape_fn.__doc__.split('``')[1]}, got shape {getattr(kv_cache, 'shape', None)}")
     num_pages, page_size = kv_cache.shape[:2]
-    want = get_kv_cache_shape(num_pages, page_size, Hkv, D, kv_cache.dtype)
+    want = (get_kv_cache_shape_hd64(num_pages, page_size, Hkv, kv_cache.dtype) if layout == "hd64"
+            else get_kv_cache_shape(num_pages, page_size, Hkv, D, kv_cache.dtype))
     if tuple(kv_cache.shape) != want:
         err(f"kv_cache shape {tuple(kv_cache.shape)} does not match num_kv_heads={Hkv}, head_dim={D}, "
-            f"dtype={kv_dtype}: expected {want} (see kernel.get_kv_cache_shape)")
+            f"dtype={kv_dtype}: expected {want} (see kernel.{shape_fn.__name__})")
+    if attention_sink is not None:
+        shape = tuple(getattr(attention_sink, "shape", ()))
+        dt = _dtype_name(attention_sink) if hasattr(attention_sink, "dtype") else type(attention_sink).__name__
+        if shape != (Hq,) or dt != "float32":
+            err(f"attention_sink of shape {shape} and dtype {dt}: valid: float32[num_q_heads={Hq}] or None")
     for name, x in (("kv_lens", kv_lens), ("page_indices", page_indices), ("cu_q_lens", cu_q_lens),
                     ("distribution", distribution)):
         if getattr(x, "ndim", None) != 1:
@@ -94,15 +171,6 @@ def validate_inputs(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q
     if page_indices.shape[0] % S:
         err(f"page_indices has {page_indices.shape[0]} entries, not a multiple of max_num_seqs={S}")
     pages_per_seq = page_indices.shape[0] // S
-    if sliding_window is not None and (not isinstance(sliding_window, (int, np.integer)) or sliding_window <= 0):
-        err(f"sliding_window={sliding_window!r} must be a positive int or None")
-    if soft_cap is not None and not (isinstance(soft_cap, (int, float)) and soft_cap > 0):
-        err(f"soft_cap={soft_cap!r} must be a positive float or None")
-    for name, v in (("sm_scale", sm_scale), ("q_scale", q_scale), ("k_scale", k_scale), ("v_scale", v_scale)):
-        if v is not None and not (isinstance(v, (int, float, np.floating)) and np.isfinite(v)):
-            err(f"{name}={v!r} must be a finite Python float (per-tensor scale) or None")
-        if name != "sm_scale" and v is not None and v <= 0:
-            err(f"{name}={v!r} must be > 0")
     if block_sizes:
         for case, bs in block_sizes.items():
             if bs is None:
