@@ -251,7 +251,7 @@ def _build_specs(*, tpu, case, model, q_heads, kv_heads, head_dim, dtype, kv_dty
         for c in cases:
             try:
                 w, origin = make_workload(c, limits, seed=seed, path=workload, num_seqs=num_seqs, context=context,
-                                          chunk=chunk, num_chunks=num_chunks)
+                                          chunk=chunk, num_chunks=num_chunks, kernel=kern.name)
                 cs = sp.for_case(c)
             except (WorkloadError, SpaceError) as e:
                 raise UsageError(str(e)) from None

@@ -87,6 +87,11 @@ def export_cmd(
     replace_measured: bool = typer.Option(False, "--replace-measured", help="sglang: write entries of ours "
                                           "over SGLang-JAX's own device-measured ones (default: keep theirs, "
                                           "with a note, where ours were not measured on a device)."),
+    traffic: Optional[Path] = typer.Option(None, "--traffic", metavar="FILE", help="vllm-env: the server's "
+                                           "kernel calls by case and step tokens (CSV case,tokens[,count] or "
+                                           "JSON; server_formats.read_traffic) to choose each tuple over. "
+                                           "Default: one call in every token bucket of the results.",
+                                           show_default=False),
     json_out: JsonFlag = False,
 ):
     """Bake the best `ok` row per key into versioned tables (promoted only if it beats the heuristic).
@@ -97,6 +102,15 @@ def export_cmd(
     from rpa_tune.export import build_tables, check_tables, merge_tables, read_results, write_tables
     from rpa_tune.kernels import DEFAULT, get_kernel, kernel_names, table_dir
     fmt, kernel = value(fmt), value(kernel)
+    traffic_calls = None
+    if traffic is not None:
+        from .server_formats import TrafficError, read_traffic
+        if fmt != "vllm-env":
+            fail(f"--traffic applies to --format vllm-env, not --format {fmt}")
+        try:
+            traffic_calls = read_traffic(traffic)
+        except TrafficError as e:
+            fail(str(e))
     if fmt == "tables":
         kernel = kernel or DEFAULT
         if out is None:
@@ -141,7 +155,9 @@ def export_cmd(
              + _other_kernels_hint(df, kernel),
              code=1)
     if fmt != "tables":
-        _export_server_format(fmt, tables, out, replace_measured=replace_measured)
+        from rpa_tune.kernels import row_kernel
+        rows = [r for r in df.to_dict("records") if row_kernel(r.get("kernel")) == kernel]
+        _export_server_format(fmt, tables, out, replace_measured=replace_measured, rows=rows, traffic=traffic_calls)
         return
     out = table_dir(out, kernel)
     try:
@@ -228,12 +244,13 @@ def _other_kernels_hint(df, kernel: str) -> str:
     return "".join(f" (these results hold {o} rows: export them with --kernel {o})" for o in others)
 
 
-def _export_server_format(fmt: str, tables, out: Optional[Path], *, replace_measured: bool = False) -> None:
+def _export_server_format(fmt: str, tables, out: Optional[Path], *, replace_measured: bool = False,
+                          rows=(), traffic=None) -> None:
     """Write (or print) the vllm-env lines or the SGLang-JAX module of ``tables`` (the latter
     beside the installed sglang-jax's own table: ``server_formats.sglang_module``)."""
     from . import server_formats
     if fmt == "vllm-env":
-        text, notes = server_formats.vllm_env(tables), []
+        text, notes = server_formats.vllm_env(tables, list(rows), traffic)
     else:
         theirs, source = server_formats.installed_sglang_table()
         text, notes = server_formats.sglang_module(tables, theirs=theirs, theirs_source=source,

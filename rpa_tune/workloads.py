@@ -25,6 +25,15 @@ tokens (the memory traffic) within rounding of the drawn sample.
   lognormal(median 8192, sigma 0.5) unless ``--context`` gives another distribution,
   quantised to 4 levels; as many sequences as the bucket holds (``max_num_tokens //
   draft``) at most.
+* mixed, as vLLM-TPU sends it (``vllm_mixed_workload``; ``make_workload`` uses it for the
+  kernels in ``VLLM_STEP_KERNELS``, tpu-inference's): one step of tpu-inference's runner,
+  which sorts a step's one-token sequences first and gives them to the decode kernel
+  (request distribution ``(decodes, decodes, all)``): up to sixteen decode sequences in the
+  decode range, and in the mixed range the multi-token sequences: eight speculative-decoding
+  sequences (4 tokens), two extends (16-64 tokens) and prefill chunks of at most 1024 tokens
+  (more where ``max_num_seqs`` leaves few sequences) over the rest, the first a new prompt's
+  first chunk (no cached context), the others continuing prompts (a whole number of their
+  chunk's tokens cached). The step fills its bucket.
 * file (``--workload FILE``): JSON (a list of ``{"q_len":, "kv_len":}`` objects, or
   ``{"sequences": [...]}``) or CSV with columns ``q_len,kv_len`` and optionally
   ``case``. Without a ``case`` column, decode uses the rows with ``q_len == 1``, prefill
@@ -197,6 +206,52 @@ def verify_workload(limits: ServingLimits, *, num_seqs: int = 64, draft: int = V
     return w, f"verify gen: {n} seqs of {draft} draft tokens, context {context}, {levels} levels, seed {seed}"
 
 
+# the kernels whose mixed case is tuned on vLLM-TPU's steps (``vllm_mixed_workload``)
+VLLM_STEP_KERNELS = ("tpu-inference",)
+
+
+def vllm_mixed_workload(limits: ServingLimits, *, context: str = DEFAULT_CONTEXT,
+                        seed: int = 0) -> tuple[Workload, str]:
+    """One step of vLLM-TPU (tpu-inference's runner) that fills its token bucket (module doc):
+    the decode sequences in the decode range (the decode kernel runs them), the mixed kernel's
+    sequences after them. Of the prefill chunks (at least two where the bucket has room for
+    two of 8 tokens), the first has no cached context and the others start after a whole
+    number of their own chunk's tokens of cached context."""
+    rng = np.random.default_rng([seed, 5])
+    T, S, L = limits.max_num_tokens, limits.max_num_seqs, limits.max_model_len
+    n_dec = max(0, min(16, T // 8, S - 3))
+    room, slots = T - n_dec, S - n_dec
+    smalls = [4] * 8 + [int(rng.integers(16, 65))] * 2         # spec-decode, extends
+    # keep the chunks at least a quarter of the step and a sequence each
+    while smalls and (sum(smalls) > room - max(1, room // 4) or len(smalls) + 2 > slots):
+        smalls.pop()
+    rest = room - sum(smalls)
+    n_chunks = max(1, min(max(2 if rest >= 16 else 1, -(-rest // MIXED_CHUNK)), slots - len(smalls)))
+    sizes = [rest // n_chunks + (i < rest % n_chunks) for i in range(n_chunks)]
+    multi = [min(q, L) for q in sizes + smalls if q > 0][:max(0, slots)]
+    chunks = min(len(sizes), len(multi))
+    ctx = draw_lengths(context, len(multi), rng)
+    kv = []
+    for i, q in enumerate(multi):
+        if i < chunks:
+            c = 0 if i == 0 else max(q, (int(ctx[i]) // q) * q)   # a fresh prompt, then continuing ones
+        else:
+            c = int(ctx[i])
+        kv.append(int(min(L, c + q)))
+    out_kv = list(kv)
+    for q in sorted(set(multi)):                                  # at most 2 context levels per q_len
+        idx = [i for i, x in enumerate(multi) if x == q and i != 0]
+        for i, v in zip(idx, quantise([kv[i] for i in idx], 2)):
+            out_kv[i] = max(q, v)
+    dec_kv = quantise(np.clip(draw_lengths(context, n_dec, rng) + 1, 1, L), 2) if n_dec else []
+    if not multi:                       # no room for a multi-token sequence: a decode step
+        return Workload.of_case(Case.MIXED, [1] * n_dec, list(dec_kv)), "mixed gen (vLLM-TPU step): decode only"
+    w = Workload([1] * n_dec + multi, list(dec_kv) + out_kv, (n_dec, n_dec, n_dec + len(multi)))
+    return w, (f"mixed gen (vLLM-TPU step): {n_dec} decode seqs (decode kernel), {len(multi)} mixed seqs "
+               f"({chunks} prefill chunks, the first without cached context; spec-decode, extends), "
+               f"context {context}, seed {seed}")
+
+
 # --------------------------------------------------------------------------- files
 def read_workload_file(path: str | Path) -> list[tuple[int, int, str | None]]:
     """Rows ``(q_len, kv_len, case or None)`` from a JSON or CSV file."""
@@ -287,8 +342,9 @@ def file_workload(path: str | Path, case: Case | str, *, max_segments: int = 8) 
 
 def make_workload(case: Case | str, limits: ServingLimits, *, seed: int = 0, path=None,
                   num_seqs: int = 64, context: str = "lognormal:2048:0.8", chunk: int = 1024,
-                  num_chunks: int = 2, max_segments: int = 8) -> tuple[Workload, str]:
-    """The workload of one case: from ``path`` if given, else the case's generator.
+                  num_chunks: int = 2, max_segments: int = 8, kernel: str | None = None) -> tuple[Workload, str]:
+    """The workload of one case: from ``path`` if given, else the case's generator (mixed, for
+    a ``kernel`` in ``VLLM_STEP_KERNELS``: vLLM-TPU's step, ``vllm_mixed_workload``).
     Raises ``WorkloadError`` when it does not fit ``limits``."""
     case = Case.parse(case)
     if path is not None:
@@ -300,6 +356,8 @@ def make_workload(case: Case | str, limits: ServingLimits, *, seed: int = 0, pat
     elif case == Case.VERIFY:
         w, origin = verify_workload(limits, num_seqs=num_seqs, seed=seed,
                                     context=VERIFY_CONTEXT if context == DEFAULT_CONTEXT else context)
+    elif kernel in VLLM_STEP_KERNELS:
+        w, origin = vllm_mixed_workload(limits, context=context, seed=seed)
     else:
         w, origin = mixed_workload(limits, context=context, seed=seed)
     try:
