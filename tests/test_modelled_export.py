@@ -24,15 +24,20 @@ def _entries(rows):
     return {r.key: r.entry for r in reports if r.key is not None}
 
 
-@pytest.mark.parametrize("gain, promoted", [(0.04, False), (ex.MODELLED_MIN_GAIN, False), (0.06, True)])
-def test_a_modelled_entry_is_written_modelled_and_promoted_past_its_margin(gain, promoted):
+@pytest.mark.parametrize("gain", [0.01, 0.5])
+def test_a_modelled_gain_never_promotes_but_a_failing_heuristic_does(gain):
+    """A modelled entry is written as modelled; its gain over the heuristic does not promote it
+    (modelled prices rank block sizes poorly), the compiler's verdict on the heuristic does."""
     k = key("tpu7x", "prefill", t=512)
-    base = 2e-4
-    (e,) = _entries(_rows(k, "modelled", [base, base / (1 + gain), base * 1.5])).values()
-    assert e.method == "modelled" and e.margin == ex.MODELLED_MIN_GAIN
-    assert e.promoted is promoted, e.decision
-    assert e.gain == pytest.approx(gain, rel=1e-5)
-    assert "estimate" not in e.decision            # (the refusal of TPU7x prefill estimates is not its)
+    rows = _rows(k, "modelled", [2e-4, 2e-4 / (1 + gain), 3e-4])
+    (e,) = _entries(rows).values()
+    assert e.method == "modelled" and not e.promoted and e.gain == pytest.approx(gain, rel=1e-5)
+    assert ("of a modelled price" in e.decision) == (gain > ex.ESTIMATE_MIN_GAIN), e.decision
+    assert "estimates are refused" not in e.decision
+    rows[0].update(status="vmem_oom", metric=None)
+    (e,) = _entries(rows).values()
+    assert e.method == "modelled" and e.promoted and "the heuristic" in e.decision and "failed" in e.decision
+    assert tuple(e.block_sizes) == (rows[1]["bq"], rows[1]["bkv"], rows[1]["cq"], rows[1]["ckv"])
 
 
 def test_a_key_is_ranked_by_one_method_the_compile_backends_of_today():
@@ -59,7 +64,9 @@ def test_export_writes_modelled_entries_to_the_files(tmp_path):
 
     from rpa_tune.cli import app
     k = key("v4", "decode", t=128)
-    write_results(tmp_path / "res", _rows(k, "modelled", [2e-4, 1e-4, 3e-4]))
+    rows = _rows(k, "modelled", [2e-4, 1e-4, 3e-4])
+    rows[0].update(status="vmem_oom", metric=None)
+    write_results(tmp_path / "res", rows)
     r = CliRunner().invoke(app, ["export", "--results", str(tmp_path / "res"), "--out", str(tmp_path / "out")])
     assert r.exit_code == 0, r.output
     for f in ("v4.json", "v4.parquet"):
