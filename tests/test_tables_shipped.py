@@ -114,10 +114,11 @@ def test_every_shipped_entry_compiles_deviceless():
 
 
 def test_tables_resolve_the_block_sizes_of_the_snapshot(monkeypatch):
-    """Behaviour unchanged across the redesign (issue 100): for every key of the shipped
-    tables, the kernel's table lookup resolves the block sizes it resolved from the tables
-    of ``tests/snapshots/resolved_block_sizes.json``'s revision (None: not promoted, the
-    heuristic applies), and no key was added or lost."""
+    """For every key of the shipped tables, the kernel's table lookup resolves the block
+    sizes it resolved from the tables of ``tests/snapshots/resolved_block_sizes.json``'s
+    revision (None: not promoted, the heuristic applies), and no key was added or lost: a
+    refactor leaves them alone; a deliberate re-ranking records a new snapshot
+    (``tests/snapshots/make_resolved.py <revision>``)."""
     import json
     snap = json.loads((Path(__file__).parent / "snapshots" / "resolved_block_sizes.json").read_text())["entries"]
     for var in ("RPA_TABLE", "RPA_SHIPPED_TABLES", "RPA_TABLE_STRICT", *kt.ENV_BLOCK_SIZES.values()):

@@ -2,10 +2,10 @@
 the kernel resolves from the tables for it (None: not promoted, the heuristic applies), as
 the tables of a given git revision hold them. Run from the repository root:
 
-    .venv/bin/python tests/snapshots/make_resolved.py 1343fa6
+    .venv/bin/python tests/snapshots/make_resolved.py <revision>
 
-(1343fa6: main before the redesign of issue 100; tests/test_tables_shipped.py checks that
-the tables of today resolve the same block sizes.)"""
+(the revision whose tables were last re-ranked on purpose; tests/test_tables_shipped.py
+checks that the tables of today resolve the same block sizes.)"""
 import json
 import subprocess
 import sys
