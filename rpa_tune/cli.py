@@ -529,6 +529,8 @@ from .cli_tables import register as _register_tables  # noqa: E402
 _register_tables(app)
 from .cli_calibrate import register as _register_calibrate  # noqa: E402  (calibrate: cli_calibrate)
 _register_calibrate(app)
+from .check import register as _register_check  # noqa: E402  (check: rpa_tune/check.py)
+_register_check(app)
 
 
 def main():  # pragma: no cover - console entry point helper

@@ -20,7 +20,7 @@ TIERS = {
              "test_kernel_metrics", "test_kernel_validation", "test_modelled_export", "test_report_html", "test_tables_export",
              "test_tables_lookup", "test_tune_cli", "test_tune_engine", "test_tune_search", "test_tune_space",
              "test_tune_store", "test_tune_workloads", "test_vllm_server"),
-    "compile": ("test_estimator", "test_estimator_calibration", "test_estimator_public", "test_fingerprint",
+    "compile": ("test_check", "test_estimator", "test_estimator_calibration", "test_estimator_public", "test_fingerprint",
                 "test_kernel_deviceless", "test_kernel_v3_estimates", "test_modelled_compile", "test_precompile", "test_program_cache", "test_public_backend",
                 "test_sglang_jax", "test_tune_evaluators", "test_tuned_kernels", "test_vmem_limits"),
     "interpret": ("test_calibrate", "test_kernel_interpret", "test_kernel_v3_compat", "test_selftest", "test_tpu_backend_fake"),
