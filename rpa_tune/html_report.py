@@ -457,7 +457,8 @@ def method_label(backend: str, method: str, audited: bool = True) -> str:
         if not audited:
             return ("static compiler estimate, not a device time; no audit verdict recorded (rows of an "
                     "evaluator older than the audit)")
-        return "static compiler estimate (audited), not a device time"
+        return ("static compiler estimate (audited) through the calibrated device-cost model, one call on one "
+                "TensorCore; not a device time")
     if method == "measured" or backend == "tpu":
         return "measured on the device"
     return method or "-"

@@ -230,7 +230,7 @@ def test_page_images_escaping_and_estimate_label(page, data):
         assert f'src="{s.image}"' in text
     assert "<script" not in text and HOSTILE not in text
     assert html.escape(HOSTILE) in text
-    assert "static compiler estimate (audited), not a device time" in text
+    assert "static compiler estimate (audited) through the calibrated device-cost model" in text
     assert text.count('class="c tuned"') == 1 and text.count('class="c not-promoted"') == 2
     assert "×1.25 (+25.0%)" in text          # key A: 2.5e-4 / 2.0e-4
     assert "incomplete: 1" in text
