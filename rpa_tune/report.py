@@ -14,7 +14,7 @@ from kernel.workload import ModelShape, ServingLimits, Workload
 from . import provenance
 from .evaluators import base
 from .kernels import DEFAULT, REFERENCE, get_kernel
-from .store import KEY_COLUMNS, ResultStore, config_id
+from .store import KEY_COLUMNS, ResultStore, config_id, newest_evaluator_frame
 
 RANKED_BACKENDS = ("tpu", "compile")
 
@@ -79,6 +79,9 @@ def winners(df, *, tpu=None, case=None, backend=None, top: int = 1, all_configs:
     for (key_id, wid, be), g in d.groupby(["key_id", "workload_id", "backend"], sort=True):
         latest = g.sort_values("timestamp")["kernel_hash"].iloc[-1]
         g = g[g["kernel_hash"] == latest]
+        # rows an evaluator version re-priced do not rank beside their new price (as in export:
+        # a modelled key's earlier estimates are not set against its modelled prices)
+        g = newest_evaluator_frame(g)
         counts = g["status"].value_counts().to_dict()
         ok = g[(g["status"] == base.OK) & g["metric"].notna()]
         is_wrong = ok.apply(lambda r: (r.key_id, int(r.bq), int(r.bkv), int(r.cq), int(r.ckv), r.kernel_hash)

@@ -96,3 +96,22 @@ def test_show_and_the_sweep_summary_say_modelled(tmp_path):
     assert evaluator_version("compile", "prefill", "tpu7x") == evaluator_version("compile", "prefill", "v5p").replace(
         "+v5p1", "+tpu7x1") + "+modelled1"
     assert "modelled" not in evaluator_version("compile", "decode", "tpu7x")
+
+
+def test_show_does_not_rank_a_keys_earlier_estimates_beside_its_modelled_prices():
+    """TPU7x prefill keys hold estimates of an earlier evaluator version (cheaper, since the
+    profiler hid their cached-KV work) and, once swept again, modelled prices: ``show``
+    ranks the newest version's rows only, as export does."""
+    from rpa_tune.report import winners
+    from rpa_tune.store import COLUMNS
+    k = key("tpu7x", "prefill", t=128)
+    old = _rows(k, "estimate", [1e-5, 0.6e-5, 0.8e-5], evaluator_version="compile-5", timestamp="2026-01-01T00:00:00Z")
+    new = _rows(k, "modelled", [3e-5, 2e-5, 2.5e-5], evaluator_version="compile-7+tpu7x1+modelled1",
+                timestamp="2026-01-02T00:00:00Z")
+    for i, r in enumerate(old + new):
+        r.update(is_heuristic=i % 3 == 0, workload="prefill: synthetic", config_id=f"c{i}")
+    df = pd.DataFrame([{c: r.get(c) for c in COLUMNS} for r in old + new])
+    df["timestamp"] = pd.to_datetime(df["timestamp"])
+    (g,) = winners(df, top=6)
+    assert [r["method"] for r in g.rows] == ["modelled"] * 3 and g.best["metric"] == 2e-5
+    assert g.heuristic["metric"] == 3e-5
