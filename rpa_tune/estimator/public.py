@@ -429,6 +429,30 @@ def _patched(module, **attrs):
 
 
 # -------------------------------------------------------------------------- builder
+def case_sequences(workload: dict, case: Case, run: Case, lim: ServingLimits, bs: BlockSizes, who: str):
+    """The checked sequences of ``workload``'s ``case`` for a lowering of the ``run`` kernel
+    (the kernel's case that runs them): ``(q_lens, kv_lens, chunk_prefill_size (prefill:
+    the one q_len of every sequence, else None), segments, distribution, token rows, sequence
+    slots)``. ``who`` names the kernel in the errors."""
+    w = Workload(tuple(workload["q_lens"]), tuple(workload["kv_lens"]), tuple(workload["distribution"]))
+    lo, hi = w.case_range(case)
+    if hi == lo:
+        raise ValueError(f"workload has no {case.value} sequences (distribution={w.distribution})")
+    q_lens, kv_lens = w.q_lens[lo:hi], w.kv_lens[lo:hi]
+    if max(kv_lens) > lim.max_model_len:
+        raise ValueError(f"kv_len {max(kv_lens)} > max_model_len={lim.max_model_len}")
+    chunk = None
+    if run == Case.PREFILL:
+        if len(set(q_lens)) != 1:
+            raise ValueError(f"{who} prefill case is fixed-size chunks: every prefill sequence needs the same "
+                             f"q_len, got {sorted(set(q_lens))}")
+        chunk = q_lens[0]
+    n = hi - lo
+    distribution = {Case.DECODE: (n, n, n), Case.PREFILL: (0, n, n), Case.MIXED: (0, 0, n)}[run]
+    return (q_lens, kv_lens, chunk, _segments(q_lens, kv_lens), distribution,
+            round_up(max(sum(q_lens), bs.bq, 8), 8), n)
+
+
 def lower(*, workload: dict, block_sizes, tpu: str, model: dict, limits: dict, case: str,
           options: dict | None = None):
     """``(Lowered, kernel name prefix)``: the public RPA v3 kernel's ``case`` kernel for
@@ -464,25 +488,8 @@ def lower(*, workload: dict, block_sizes, tpu: str, model: dict, limits: dict, c
         raise ValueError(f"the public kernel has no TPU version for {gen.name!r}")
     m = ModelShape(**model)
     lim = ServingLimits(**limits)
-    w = Workload(tuple(workload["q_lens"]), tuple(workload["kv_lens"]), tuple(workload["distribution"]))
-    lo, hi = w.case_range(case)
-    if hi == lo:
-        raise ValueError(f"workload has no {case.value} sequences (distribution={w.distribution})")
-    q_lens, kv_lens = w.q_lens[lo:hi], w.kv_lens[lo:hi]
-    if max(kv_lens) > lim.max_model_len:
-        raise ValueError(f"kv_len {max(kv_lens)} > max_model_len={lim.max_model_len}")
-    chunk = None
-    if case == Case.PREFILL:
-        if len(set(q_lens)) != 1:
-            raise ValueError(f"the public kernel's prefill case is fixed-size chunks: every prefill "
-                             f"sequence needs the same q_len, got {sorted(set(q_lens))}")
-        chunk = q_lens[0]
-
-    segs = _segments(q_lens, kv_lens)
-    n = hi - lo
-    distribution = {Case.DECODE: (n, n, n), Case.PREFILL: (0, n, n), Case.MIXED: (0, 0, n)}[case]
-    T = round_up(max(sum(q_lens), bs.bq, 8), 8)
-    S = n
+    q_lens, kv_lens, chunk, segs, distribution, T, S = case_sequences(workload, case, case, lim, bs,
+                                                                      "the public kernel's")
     pages_per_seq = lim.pages_per_seq
     vmem_bytes = int(tpu_info(gen.name).vmem_capacity_bytes)
     num_pages = _num_pages(segs, m, lim.page_size, vmem_bytes)

@@ -44,11 +44,11 @@ import types
 import warnings
 
 from kernel.config import BlockSizes, Case, cdiv, get_generation, round_up
-from kernel.workload import ModelShape, ServingLimits, Workload
+from kernel.workload import ModelShape, ServingLimits
 
 from ..public_kernel import TPU_VERSION
-from .public import (MAX_UNROLL, _bounded_loop, _cdiv_fn, _Formula, _jnp_proxy,
-                     _metadata_formulas, _patched, _segments, _StaticAddresses)
+from .public import (MAX_UNROLL, case_sequences, _bounded_loop, _cdiv_fn, _Formula, _jnp_proxy,
+                     _metadata_formulas, _patched, _StaticAddresses)
 
 PREFIX = "sglang_rpa"
 _KERNEL_OPTIONS = ("sm_scale", "sliding_window", "soft_cap", "q_scale", "k_scale", "v_scale", "mask_value")
@@ -199,25 +199,7 @@ def lower(*, workload: dict, block_sizes, tpu: str, model: dict, limits: dict, c
     version = TPU_VERSION[gen.name]
     m = ModelShape(**model)
     lim = ServingLimits(**limits)
-    w = Workload(tuple(workload["q_lens"]), tuple(workload["kv_lens"]), tuple(workload["distribution"]))
-    lo, hi = w.case_range(own)
-    if hi == lo:
-        raise ValueError(f"workload has no {own.value} sequences (distribution={w.distribution})")
-    q_lens, kv_lens = w.q_lens[lo:hi], w.kv_lens[lo:hi]
-    if max(kv_lens) > lim.max_model_len:
-        raise ValueError(f"kv_len {max(kv_lens)} > max_model_len={lim.max_model_len}")
-    chunk = None
-    if run == Case.PREFILL:
-        if len(set(q_lens)) != 1:
-            raise ValueError(f"SGLang-JAX's prefill case is fixed-size chunks: every prefill sequence needs "
-                             f"the same q_len, got {sorted(set(q_lens))}")
-        chunk = q_lens[0]
-
-    segs = _segments(q_lens, kv_lens)
-    n = hi - lo
-    distribution = {Case.DECODE: (n, n, n), Case.PREFILL: (0, n, n), Case.MIXED: (0, 0, n)}[run]
-    T = round_up(max(sum(q_lens), bs.bq, 8), 8)
-    S = n
+    q_lens, kv_lens, chunk, segs, distribution, T, S = case_sequences(workload, own, run, lim, bs, "SGLang-JAX's")
     capacity = int(tpu_info(gen.name).vmem_capacity_bytes)
     vmem_limit = TUNED.vmem_limit(capacity, generation=gen.name)
     page_size = lim.page_size
