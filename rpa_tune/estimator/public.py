@@ -510,11 +510,15 @@ def lower(*, workload: dict, block_sizes, tpu: str, model: dict, limits: dict, c
             sds((3,), "int32"))
 
     bst = tuple(bs)
+    # The other cases' kernels become pass-throughs (below), but the wrapper still asks its
+    # default block sizes for them, which it has none of on v4 (it raises): there they get
+    # the target's sizes, which nothing runs.
+    other = bst if TPU_VERSION[gen.name] < 5 else None
     call_kw = dict(sm_scale=m.head_dim ** -0.5, update_kv_cache=update_kv_cache,
                    vmem_limit_bytes=int(vmem_limit), chunk_prefill_size=chunk,
-                   d_block_sizes=bst if case == Case.DECODE else None,
-                   p_block_sizes=bst if case == Case.PREFILL else None,
-                   m_block_sizes=bst if case == Case.MIXED else None)
+                   d_block_sizes=bst if case == Case.DECODE else other,
+                   p_block_sizes=bst if case == Case.PREFILL else other,
+                   m_block_sizes=bst if case == Case.MIXED else other)
     call_kw.update(kernel_opts)
     name = kernel_name(case, bs)
     # The un-jitted function: the public jit's trace cache would outlive the patches below.
