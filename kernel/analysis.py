@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 import re
 
-from .config import BlockSizes, CASES, Case, get_generation, get_kv_cache_shape
+from .config import BlockSizes, CASES, Case, get_generation, get_kv_cache_shape, get_kv_cache_shape_hd64
 from .workload import ModelShape, ServingLimits, Workload
 
 def _quiet_libtpu_env(env=None):
@@ -48,10 +48,10 @@ def _sharding(tpu: str):
 
 
 def abstract_inputs(model: ModelShape, limits: ServingLimits, tpu: str | None,
-                    num_pages: int | None = None, *, sharding=None) -> dict:
+                    num_pages: int | None = None, *, sharding=None, layout: str = "merged") -> dict:
     """``ShapeDtypeStruct``s of every kernel argument, placed on the deviceless TPU
     generation ``tpu`` (or given ``sharding`` when ``tpu`` is None: a local device, or
-    None for uncommitted arguments)."""
+    None for uncommitted arguments). ``layout="hd64"``: the head_dim-64 cache layout."""
     import jax
     import jax.numpy as jnp
     sh = _sharding(tpu) if tpu is not None else sharding
@@ -63,8 +63,10 @@ def abstract_inputs(model: ModelShape, limits: ServingLimits, tpu: str | None,
         queries=sds((T, model.num_q_heads, model.head_dim), model.q_dtype),
         keys=sds((T, model.num_kv_heads, model.head_dim), model.q_dtype),
         values=sds((T, model.num_kv_heads, model.head_dim), model.q_dtype),
-        kv_cache=sds(get_kv_cache_shape(num_pages, limits.page_size, model.num_kv_heads,
-                                        model.head_dim, jnp.dtype(model.kv_dtype)), model.kv_dtype),
+        kv_cache=sds(get_kv_cache_shape_hd64(num_pages, limits.page_size, model.num_kv_heads,
+                                             jnp.dtype(model.kv_dtype), model.head_dim) if layout == "hd64"
+                     else get_kv_cache_shape(num_pages, limits.page_size, model.num_kv_heads,
+                                             model.head_dim, jnp.dtype(model.kv_dtype)), model.kv_dtype),
         kv_lens=sds((S,), "int32"),
         page_indices=sds((S * limits.pages_per_seq,), "int32"),
         cu_q_lens=sds((S + 1,), "int32"),
@@ -104,16 +106,28 @@ def lower_deviceless(model: ModelShape, limits: ServingLimits, tpu: str, block_s
     ``heuristic_only``: the cases without explicit sizes take the heuristic's (they pad the
     operands), never a table's or ``RPA_{D,P,M}_BLOCK_SIZES``: the program depends on its
     arguments only. ``new_kv_in_vmem``: the new K/V operand of the case kernels placed in
-    VMEM (``kernel.api.Options``)."""
+    VMEM (``kernel.api.Options``).
+
+    RPA v3's options by its names: ``use_causal_mask``, ``update_kv_cache``,
+    ``attention_sink`` (True: a sinks operand), ``kv_layout`` (``"hd64"``: the head_dim-64
+    cache layout of ``ragged_paged_attention_hd64``)."""
     import jax
     from .api import _rpa_jit, build_options, prepare_inputs, run_cases
     cases = tuple(Case.parse(c).value for c in cases)
-    args = abstract_inputs(model, limits, tpu, num_pages)
+    layout = attn_options.pop("kv_layout", "merged")
+    v3 = dict(causal=attn_options.pop("use_causal_mask", True), update_cache=attn_options.pop("update_kv_cache", True),
+              sinks=bool(attn_options.pop("attention_sink", False)), layout=layout)
+    v3 = {k: v for k, v in v3.items() if v != dict(causal=True, update_cache=True, sinks=False, layout="merged")[k]}
+    args = abstract_inputs(model, limits, tpu, num_pages, layout=layout)
     dims = serving_dims(model, limits, args["kv_cache"].shape[0])
     options = build_options(dims, get_generation(tpu).name, _block_dict(block_sizes),
                             vmem_limit_bytes=vmem_limit_bytes, static_meta=static_meta,
                             cases=cases, heuristic_only=heuristic_only, new_kv_in_vmem=new_kv_in_vmem,
-                            **attn_options)
+                            **v3, **attn_options)
+    sinks = ()
+    if options.sinks:
+        sinks = (jax.ShapeDtypeStruct((model.num_kv_heads, model.group, 128), jax.numpy.float32,
+                                      sharding=args["kv_cache"].sharding),)
     order = ("queries", "keys", "values", "kv_cache", "kv_lens", "page_indices", "cu_q_lens", "distribution")
     if prepared_operands:
         shapes = jax.eval_shape(lambda q, k, v, c: prepare_inputs(q, k, v, c, options),
@@ -129,16 +143,16 @@ def lower_deviceless(model: ModelShape, limits: ServingLimits, tpu: str, block_s
         shapes = [x if i == 1 else jax.ShapeDtypeStruct((max(x.shape[0], rows),) + x.shape[1:], x.dtype)
                   for i, x in enumerate(shapes)]
         prepped = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh) for x in shapes]
-        fn = lambda q, nkv, o, cache, *meta: run_cases(
-            q, nkv, o, cache, *meta, num_kv_heads=model.num_kv_heads, group=model.group,
-            head_dim=model.head_dim, options=options, interpret=None)
+        fn = lambda q, nkv, o, cache, kl, pi, cu, dist, *sk: run_cases(
+            q, nkv, o, cache, kl, pi, cu, dist, num_kv_heads=model.num_kv_heads, group=model.group,
+            head_dim=model.head_dim, options=options, interpret=None, sinks=sk[0] if sk else None)
         # Only the cache is donated: with the output donated too, the static profiler
         # reports 0 cycles for the kernel on v5e and v6e.
-        return jax.jit(fn, donate_argnums=(3,)).lower(*prepped, *(args[k] for k in order[3:]))
+        return jax.jit(fn, donate_argnums=(3,)).lower(*prepped, *(args[k] for k in order[3:]), *sinks)
     fn = lambda *a: _rpa_jit(*a, options=options, interpret=None)
     # donate the cache as the serving call does (_rpa_jit donates kv_cache): without it XLA
     # adds a full copy of the cache that production does not have.
-    return jax.jit(fn, donate_argnums=(order.index("kv_cache"),)).lower(*(args[k] for k in order))
+    return jax.jit(fn, donate_argnums=(order.index("kv_cache"),)).lower(*(args[k] for k in order), *sinks)
 
 
 # ----------------------------------------------------------------- static workloads
