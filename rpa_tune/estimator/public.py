@@ -78,9 +78,11 @@ Other choices:
   temp") and places the kernel's scratch and spills beside it, so at all of VMEM the
   profiled compile never fits the chip. ``profiler.profile`` therefore gives it libtpu's
   VMEM size override, sized to the chip's VMEM plus the limit
-  (``profiler.deviceless_vmem_args``): it then fails exactly where the plain compile fails
-  (measured on TPU7x, both ways, at and beside the capacity: notebook.md), and its cycles
-  and trace are those of the same program at half the VMEM.
+  (``profiler.deviceless_vmem_args``). It then fails wherever the plain compile fails, and
+  fits wherever that one does but within the profiler's own few tens of KiB of the
+  capacity, where the compile backend's plain compile decides (measured on TPU7x at and
+  beside the capacity: notebook.md, docs/estimator.md); its cycles and trace are those of
+  the same program at half the VMEM.
 
 KV-cache write-back is off (``update_kv_cache=False``, the kernel's KV-sharing mode). With
 it on, the profiler aborts: "Static LLO profiling of ... failed: INTERNAL: No DMA issue
