@@ -151,9 +151,12 @@ class _Result(unittest.TestResult):
 
 
 def _short(err) -> str:
-    etype, value, _tb = err
+    etype, value, tb = err
     lines = [ln for ln in str(value).strip().splitlines() if ln.strip()]
     msg = " / ".join(lines[:6])
+    if not msg and tb is not None:      # a bare assert: its line
+        frame = traceback.extract_tb(tb)[-1]
+        msg = f"{frame.line} (line {frame.lineno} of {Path(frame.filename).name})"
     return f"{etype.__name__}: {msg}"[:600]
 
 

@@ -23,7 +23,7 @@ TIERS = {
     "compile": ("test_check", "test_estimator", "test_estimator_calibration", "test_estimator_public", "test_fingerprint",
                 "test_kernel_deviceless", "test_kernel_v3_estimates", "test_modelled_compile", "test_precompile", "test_program_cache", "test_public_backend",
                 "test_sglang_jax", "test_tune_evaluators", "test_tuned_kernels", "test_vmem_limits"),
-    "interpret": ("test_calibrate", "test_kernel_interpret", "test_kernel_v3_compat", "test_selftest", "test_tpu_backend_fake"),
+    "interpret": ("test_calibrate", "test_conformance_v3", "test_kernel_interpret", "test_kernel_v3_compat", "test_selftest", "test_tpu_backend_fake"),
     "data": ("test_data_gates", "test_tables_shipped", "test_wheel"),
     "bench": ("test_coverage_check", "test_critical_path", "test_fidelity", "test_vs_public_tables"),
 }
