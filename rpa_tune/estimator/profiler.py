@@ -102,12 +102,14 @@ def deviceless_vmem_args(builder: str, request: dict, extra: str = "") -> str:
     builder of no kernel, or of one that states nothing (ours)."""
     from rpa_tune.kernels import kernel_for_builder
     kern = kernel_for_builder(builder)
-    size = getattr(kern, "profiled_vmem_bytes", None)
-    if size is None or "tpu" not in request:
+    if kern is None or "tpu" not in request:
         return extra
     from kernel.hardware import tpu_info
     capacity = int(tpu_info(request["tpu"]).vmem_capacity_bytes)
     limit = (request.get("options") or {}).get("vmem_limit_bytes") or kern.compile_vmem_limit(None, capacity)
+    if kern.profiled_vmem_bytes(limit, capacity) is None:
+        return extra
+    size = kern.profiled_vmem_bytes
     flags = extra.split()
     given = [f for f in flags if f.startswith(VMEM_OVERRIDE_FLAG + "=")]
     plain = int(given[-1].partition("=")[2]) * 1024 if given else None

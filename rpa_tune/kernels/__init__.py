@@ -109,9 +109,20 @@ class TunedKernel:
         """The kernel's own VMEM need for ``bs`` (the pre-filter's prediction), None if unknown."""
         return None
 
+    def vmem_limit(self, capacity: int, predicted: int | None = None) -> int:
+        """The scoped VMEM limit the kernel runs with on a chip of ``capacity`` bytes of VMEM
+        (for a config of ``predicted`` scratch bytes): the limit its configs are judged at."""
+        return capacity // 2
+
     def compile_vmem_limit(self, predicted: int | None, capacity: int) -> int:
         """The scoped VMEM limit a deviceless compile starts at."""
-        return capacity // 2
+        return self.vmem_limit(capacity, predicted)
+
+    def profiled_vmem_bytes(self, limit: int, capacity: int, plain_bytes: int | None = None) -> int | None:
+        """The VMEM size a profiled deviceless compile at scoped ``limit`` is given (libtpu's
+        VMEM-size override) so that it passes exactly when the plain compile does, or None:
+        no override (the kernel's limit leaves room beside it for the profiler's reservation)."""
+        return None
 
     # -- estimator ---------------------------------------------------------------------------
     def probe_plan(self, case: Case, bs: BlockSizes, tpu: str, model, page_size: int) -> ProbePlan:
