@@ -133,15 +133,10 @@ def server_block_sizes(kern, key: TuningKey, env: dict, max_num_seqs: int) -> tu
     if case in env:
         bs, var = env[case]
         return bs, f"env:{var}", None
-    if kern.name == "rpa-tune":
-        from kernel import tables as kt
-        dims = dict(max_num_tokens=key.max_num_tokens, num_q_heads=key.num_q_heads, num_kv_heads=key.num_kv_heads,
-                    head_dim=key.head_dim, page_size=key.page_size, pages_per_seq=key.max_model_len // key.page_size,
-                    q_dtype=key.q_dtype, kv_dtype=key.kv_dtype)
-        found = kt.lookup_entry(case, generation=key.generation, dims=dims, sliding_window=key.sliding_window)
-        if found is not None:
-            bs, source, limit = found
-            return bs, source, limit
+    found = kern.table_block_sizes(key)
+    if found is not None:
+        bs, source, limit = found
+        return bs, source, limit
     bs = kern.heuristic(key, max_num_seqs=max_num_seqs)
     return bs, "default", None
 

@@ -104,6 +104,12 @@ class TunedKernel:
         """The key's baseline: what the kernel runs without tuned sizes (None: it has none)."""
         raise NotImplementedError
 
+    def table_block_sizes(self, key: TuningKey):
+        """What the kernel's own lookup at serving time resolves for ``key`` from the tables it
+        ships: ``(block sizes, where from, the entry's VMEM limit or None)``, or None (no
+        table of its own, or no entry: its baseline applies)."""
+        return None
+
     # -- VMEM --------------------------------------------------------------------------------
     def predicted_vmem_bytes(self, model, limits, bs: BlockSizes, case) -> int | None:
         """The kernel's own VMEM need for ``bs`` (the pre-filter's prediction), None if unknown."""

@@ -45,6 +45,13 @@ class Ours(TunedKernel):
         from .. import prefilter
         return prefilter.predicted_bytes(model, limits, bs, case)
 
+    def table_block_sizes(self, key: TuningKey):
+        from kernel import tables as kt
+        dims = dict(max_num_tokens=key.max_num_tokens, num_q_heads=key.num_q_heads, num_kv_heads=key.num_kv_heads,
+                    head_dim=key.head_dim, page_size=key.page_size, pages_per_seq=key.max_model_len // key.page_size,
+                    q_dtype=key.q_dtype, kv_dtype=key.kv_dtype)
+        return kt.lookup_entry(key.case, generation=key.generation, dims=dims, sliding_window=key.sliding_window)
+
     def vmem_limit(self, capacity: int, predicted: int | None = None) -> int:
         """The scoped VMEM limit it runs with on a chip of ``capacity`` bytes of VMEM for a
         config of ``predicted`` scratch bytes, without a table's limit: its own call's
