@@ -106,9 +106,9 @@ def deviceless_vmem_args(builder: str, request: dict, extra: str = "") -> str:
         return extra
     from kernel.hardware import tpu_info
     capacity = int(tpu_info(request["tpu"]).vmem_capacity_bytes)
-    limit = (request.get("options") or {}).get("vmem_limit_bytes") or kern.compile_vmem_limit(None, capacity)
-    if kern.profiled_vmem_bytes(limit, capacity) is None:
+    if kern.profiled_vmem_bytes(capacity, capacity) is None:       # the kernel asks for no override
         return extra
+    limit = (request.get("options") or {}).get("vmem_limit_bytes") or kern.compile_vmem_limit(None, capacity)
     size = kern.profiled_vmem_bytes
     flags = extra.split()
     given = [f for f in flags if f.startswith(VMEM_OVERRIDE_FLAG + "=")]
