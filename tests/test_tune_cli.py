@@ -36,7 +36,7 @@ def bad_workload(tmp_path_factory):
     (["--tpu", "v6e", "--q-heads", "8", "--kv-heads", "8", "--head-dim", "96"],
      ["--head-dim 96 is not supported", "64, 128, 256"]),
     (["--tpu", "v6e", "--q-heads", "8"], ["needs --q-heads, --kv-heads and --head-dim together"]),
-    (["--tpu", "v6e", "--kv-dtype", "int4"], ["'int4' is not one of 'bfloat16', 'float8_e4m3fn'"]),
+    (["--tpu", "v6e", "--kv-dtype", "int4"], ["'int4' is not one of", "'float8_e5m2'"]),
     (["--tpu", "v6e", "--page-size", "96"], ["--page-size 96 must be a power of two"]),
     (["--tpu", "v6e", "--max-model-len", "64"], ["--max-model-len 64 is smaller than --page-size 128"]),
     (["--tpu", "v6e", "--search", "bayes"], ["'bayes' is not one of 'grid', 'random', 'tpe'"]),
