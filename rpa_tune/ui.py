@@ -308,7 +308,8 @@ def print_summary(o: Outcome, store, top: int = 10) -> None:
         how = "measured" if spec.backend == "tpu" else "correctness"
     cals = sorted({str(c) for c in d["calibration"].dropna()}) if len(d) and "calibration" in d else []
     cal = f"; calibration {', '.join(cals)}" if how != "correctness" and cals else ""
-    t = Table(title=f"{who}{spec.key.generation} {spec.key.case} — {spec.backend} ({how}{cal}; one call, one TensorCore)")
+    t = Table(title=f"{who}{spec.key.generation} {spec.key.case} — {spec.backend} ({how})",
+              caption=f"times: one call on one TensorCore{cal}")
     for c in ("rank", "(bq, bkv, cq, ckv)", "status", "time", "bound", "cycles", "VMEM limit", "compile", "note"):
         t.add_column(c, justify="right" if c in ("time", "cycles", "compile", "rank") else "left")
     ok = d[d["status"] == "ok"].sort_values("metric", na_position="last") if len(d) else d
@@ -373,8 +374,8 @@ def fmt_clock(r) -> str:
 def print_winners(groups, top: int = 1) -> None:
     cals = sorted({str(g.best.get("calibration")) for g in groups
                    if g.best and g.best.get("calibration") not in (None, "none")})
-    t = Table(title="rpa-tune: best block sizes per key (times: one call on one TensorCore"
-                    + (f"; calibration {', '.join(cals)})" if cals else ")"))
+    t = Table(title="rpa-tune: best block sizes per key",
+              caption="times: one call on one TensorCore" + (f"; calibration {', '.join(cals)}" if cals else ""))
     for c in ("kernel", "tpu", "case", "shape", "page", "tokens", "len", "workload", "backend", "best (bq, bkv, cq, ckv)",
               "time", "bound", "audit", "clock", "vs heuristic", "statuses"):
         t.add_column(c, overflow="fold")
