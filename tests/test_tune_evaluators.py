@@ -327,8 +327,10 @@ def test_registry_knows_every_backend_and_base_knows_none():
             assert ev.evaluator_version(b, case) == f"{b}-{cls.case_versions.get(case, cls.version)}"
             for gen in ("v5e", "v5p", "v6e", "tpu7x"):      # then the generation's own, if any
                 own = cls.generation_versions.get(gen)
+                tag = getattr(cls, "version_tag", None)
+                extra = tag(case, gen) if tag else ""
                 assert ev.evaluator_version(b, case, gen) == ev.evaluator_version(b, case) + (
-                    f"+{gen}{own}" if own else "")
+                    f"+{gen}{own}" if own else "") + extra
     with pytest.raises(ValueError, match="unknown backend 'gpu'; valid: compile, interpret, tpu"):
         ev.evaluator_class("gpu")
     src = inspect.getsource(base)
