@@ -176,7 +176,10 @@ def _compile_one(model, limits, *, generation, deviceless, num_pages, cases, blo
                                      sliding_window=sw is not None))
             for c in cases)
         options = build_options(dims, generation, explicit, cases=tuple(cases), **attn)
-        lowered = _rpa_jit.lower(*(args[k] for k in ARG_ORDER), options=options, interpret=interpret)
+        # sinks passed as the call passes them (positionally, None without attention sinks):
+        # an argument left to its default is another jit signature, compiled again at the call
+        lowered = _rpa_jit.lower(*(args[k] for k in ARG_ORDER), args.get("sinks"), options=options,
+                                 interpret=interpret)
         v.lower_s = time.perf_counter() - t0
         digest = marker = None
         if deviceless and verified_dir is not None:
