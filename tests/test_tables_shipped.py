@@ -27,7 +27,8 @@ def test_table_file_loads_and_mirrors(path):
     assert {e.key.generation for e in t.entries} == {path.stem}
     assert kt.Table.read(path.with_suffix(".parquet")) == t
     for e in t.entries:
-        assert e.method in ("estimate", "measured") and e.unit == "s"
+        assert e.method in kt.METHODS and e.unit == "s"
+        assert e.method != "modelled" or not e.promoted      # a modelled gain never promotes
         assert e.provenance["kernel_hash"] and e.provenance["libtpu_version"] and e.provenance["date"]
         if e.promoted:
             assert e.heuristic_metric is not None or "failed" in e.decision
