@@ -75,7 +75,7 @@ def test_export_writes_modelled_entries_to_the_files(tmp_path):
     assert '"method": "modelled"' in (tmp_path / "out" / "v4.json").read_text()
 
 
-def test_show_and_the_sweep_summary_say_modelled(tmp_path):
+def test_show_and_the_sweep_summary_say_modelled(tmp_path, monkeypatch):
     """``rpa-tune show`` labels a modelled winner's backend; the evaluator version of a
     modelled key differs from the estimate's of the same case (no shared resume id)."""
     from typer.testing import CliRunner
@@ -89,7 +89,11 @@ def test_show_and_the_sweep_summary_say_modelled(tmp_path):
     df["timestamp"] = pd.to_datetime(df["timestamp"])
     df["is_heuristic"] = [True, False, False]
     write_results(tmp_path / "res", df.to_dict("records"))
-    r = CliRunner().invoke(app, ["show", "--results", str(tmp_path / "res")], env={"COLUMNS": "400"})
+    from rich.console import Console
+
+    from rpa_tune import ui
+    monkeypatch.setattr(ui, "out", Console(width=1000, highlight=False))   # (the module's console: any terminal)
+    r = CliRunner().invoke(app, ["show", "--results", str(tmp_path / "res")])
     assert r.exit_code == 0, r.output
     assert "compile (modelled)" in r.output, r.output
     assert evaluator_version("compile", "decode", "v4").endswith("+modelled1")
