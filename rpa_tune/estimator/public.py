@@ -377,6 +377,19 @@ def _lowering_proxies(pl, lax, *, target_case: str, name: str, segs, distributio
             return call(*meta, *operands[7:])
         return with_hbm_metadata
 
+    loop, fori_loop = bounded_loops(pl, lax, caps, bounded=bounded, unrolled=unrolled)
+    pl_proxy.pallas_call = pallas_call
+    pl_proxy.loop = loop
+    lax_proxy.fori_loop = fori_loop
+    return pl_proxy, lax_proxy
+
+
+def bounded_loops(pl, lax, caps: dict, *, bounded: bool, unrolled) -> tuple:
+    """``(pl.loop, lax.fori_loop)`` stand-ins for the lowering proxies: a loop whose body is
+    named in ``caps`` and whose bounds are run-time values runs to that static cap with each
+    iteration under ``index < upper`` (the bodies named in ``unrolled`` unrolled, at most
+    ``MAX_UNROLL``); other loops, and all of them without ``bounded``, are the kernel's own
+    (module doc)."""
     def loop(lower, upper, **kw):
         def deco(body):
             cap = caps.get(body.__name__)
@@ -398,11 +411,7 @@ def _lowering_proxies(pl, lax, *, target_case: str, name: str, segs, distributio
             idx = lower + k
             return lax.cond(idx < upper, lambda c: body_fun(idx, c), lambda c: c, carry)
         return lax.fori_loop(0, cap, guarded, init_val, **kw)
-
-    pl_proxy.pallas_call = pallas_call
-    pl_proxy.loop = loop
-    lax_proxy.fori_loop = fori_loop
-    return pl_proxy, lax_proxy
+    return loop, fori_loop
 
 
 def _tpu_version_fn(version: int, int16_masks: bool):

@@ -47,7 +47,7 @@ from kernel.config import BlockSizes, Case, cdiv, get_generation, round_up
 from kernel.workload import ModelShape, ServingLimits
 
 from ..public_kernel import TPU_VERSION
-from .public import (MAX_UNROLL, case_sequences, _bounded_loop, _cdiv_fn, _Formula, _jnp_proxy,
+from .public import (bounded_loops, case_sequences, _cdiv_fn, _Formula, _jnp_proxy,
                      _metadata_formulas, _patched, _StaticAddresses)
 
 PREFIX = "sglang_rpa"
@@ -130,30 +130,12 @@ def _proxies(pl, lax, *, target_case: str, name: str, segs, distribution, page_s
         return pl.pallas_call(_pinned_body(body, segs, distribution, page_size, num_pages, update_kv_cache),
                               *args, **kwargs)
 
-    def loop(lower, upper, **kw):
-        def deco(body):
-            cap = caps.get(body.__name__)
-            static = all(isinstance(b, int) for b in (lower, upper))
-            plain = kw.get("step", 1) != 1 or kw.get("init_carry") is not None
-            if not bounded or cap is None or static or plain:
-                return pl.loop(lower, upper, **kw)(body)
-            if body.__name__ in unrolled and cap <= MAX_UNROLL:
-                kw["unroll"] = True
-            return _bounded_loop(pl.loop, pl.when, cap)(lower, upper, **kw)(body)
-        return deco
+    loop, bounded_fori_loop = bounded_loops(pl, lax, caps, bounded=bounded, unrolled=unrolled)
 
     def fori_loop(lower, upper, body_fun, init_val, **kw):
-        fname = getattr(body_fun, "__name__", "")
-        if fname == "loop_body" and not update_kv_cache:
+        if getattr(body_fun, "__name__", "") == "loop_body" and not update_kv_cache:
             return init_val                       # the write-back issues nothing
-        cap = caps.get(fname)
-        if not bounded or cap is None or all(isinstance(b, int) for b in (lower, upper)):
-            return lax.fori_loop(lower, upper, body_fun, init_val, **kw)
-
-        def guarded(k, carry):
-            idx = lower + k
-            return lax.cond(idx < upper, lambda c: body_fun(idx, c), lambda c: c, carry)
-        return lax.fori_loop(0, cap, guarded, init_val, **kw)
+        return bounded_fori_loop(lower, upper, body_fun, init_val, **kw)
 
     pl_proxy.pallas_call = pallas_call
     pl_proxy.loop = loop
