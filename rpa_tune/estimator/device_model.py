@@ -38,7 +38,6 @@ from __future__ import annotations
 import dataclasses
 import importlib.resources
 import json
-import math
 import os
 
 import numpy as np
@@ -302,7 +301,3 @@ def adjacent_ratio_errors(rows: list[Row], predicted: dict) -> dict:
         out[f"{a.name}->{b.name.split('/')[-1]}"] = ((predicted[b.name] / predicted[a.name])
                                                     / (b.measured_s / a.measured_s) - 1.0)
     return out
-
-
-def finite(x) -> bool:
-    return x is not None and isinstance(x, (int, float)) and math.isfinite(x)
